@@ -1,0 +1,3 @@
+from fw_cli.main import main
+
+main()

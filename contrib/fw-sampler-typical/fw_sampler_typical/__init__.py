@@ -1,0 +1,1 @@
+"""Locally typical sampling as a Flywheel sampler plugin: an example to copy."""

@@ -1,0 +1,30 @@
+"""Flywheel: a plugin-based LLM inference engine.
+
+``from fw import LLM, SamplingParams`` loads the engine lazily, so importing
+``fw`` for plugin listing or configuration never pulls in torch.
+"""
+
+from typing import TYPE_CHECKING
+
+from fw.hookspecs import hookimpl
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from fw.llm import LLM
+    from fw.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from fw.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from fw.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'fw' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams", "__version__", "hookimpl"]

@@ -1,0 +1,340 @@
+"""The configuration tree and where each value came from.
+
+Sources, later wins: field defaults < config files (``--config`` YAML/TOML,
+deep-merged in order) < ``FW_<SECTION>__<FIELD>`` environment variables <
+command-line flags. Every leaf remembers its source for ``fw config show``.
+A bad value fails naming its field path, its source and the reason.
+
+Command-line flags for the core sections are derived from the field names
+(``scheduler.max_num_seqs`` is ``--max-num-seqs``; a plugin slot's name is
+``--attention`` and so on), so the flags, the files and the environment can
+never drift apart. Hooks plugins add sections with ``fw_config_sections`` and
+flags with ``fw_cli_options``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
+
+ENV_PREFIX = "FW_"
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message names field, source and reason."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    model: str | None = Field(None, description="Model directory (config.json + safetensors) or .gguf file.")
+    tokenizer: str | None = Field(None, description="Tokenizer directory, if not the model's.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Activation and weight dtype; auto takes the checkpoint's (bfloat16 for float16 on CPU)."
+    )
+    max_model_len: int | None = Field(None, gt=0, description="Context length; defaults to the model's.")
+    seed: int = Field(0, description="Seed for weights-independent randomness (unseeded sampling).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device to run on.")
+
+
+class CacheSection(_Section):
+    block_size: int = Field(16, gt=0, description="Tokens per KV-cache block.")
+    kv_cache_memory: ByteSize | None = Field(
+        None, description="Bytes for the KV cache (e.g. 2GiB); default: 1 GiB on CPU, gpu_memory_utilization on CUDA."
+    )
+    num_kv_blocks: int | None = Field(
+        None, gt=0, description="Exact number of KV-cache blocks, overriding the memory budget (vLLM: num_gpu_blocks_override)."
+    )
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of GPU memory the engine may use.")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
+    kv_cache_dtype: str = Field("auto", description="KV-cache dtype; auto is the model dtype.")
+
+
+class SchedulerSection(_Section):
+    max_num_seqs: int = Field(256, gt=0, description="Most requests in one batch.")
+    max_num_batched_tokens: int = Field(2048, gt=0, description="Token budget of one engine step.")
+    enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps, mixed with decodes.")
+    scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="Order of admission.")
+
+
+class ParallelSection(_Section):
+    tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel worker processes.")
+    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages.")
+    data_parallel_size: int = Field(1, ge=1, description="Data-parallel replicas.")
+    distributed_timeout: float = Field(120.0, gt=0, description="Seconds to wait for collectives and workers.")
+
+
+class PluginChoice(_Section):
+    """A slot's plugin: its name ("auto" lets the core choose) and its options."""
+
+    name: str | None
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, value: Any) -> Any:
+        # "attention: flashinfer" in a file is shorthand for {name: flashinfer}.
+        return {"name": value} if isinstance(value, str) or value is None else value
+
+    @field_validator("name")
+    @classmethod
+    def _strip(cls, value: str | None) -> str | None:
+        return value.strip() or None if value is not None else None
+
+
+def _choice(default: str | None, description: str) -> Any:
+    return Field(default_factory=lambda: PluginChoice(name=default), description=description)
+
+
+class ServerSection(_Section):
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
+    api_key: SecretStr | None = Field(None, description="Require this bearer token (also FW_SERVER__API_KEY).")
+    served_model_name: str | None = Field(None, description="Model name clients use; defaults to the model path.")
+    chat_template: str | None = Field(None, description="Jinja chat template file or string overriding the model's.")
+
+
+class FwConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid")
+
+    model: ModelSection = Field(default_factory=ModelSection)
+    cache: CacheSection = Field(default_factory=CacheSection)
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    attention: PluginChoice = _choice("auto", "Attention backend plugin.")
+    quant: PluginChoice = _choice("auto", "Quantization plugin; auto follows the checkpoint.")
+    comm: PluginChoice = _choice("torch", "Communication plugin for multi-process runs.")
+    kv_connector: PluginChoice = _choice(None, "KV connector plugin (none by default).")
+    sampler: PluginChoice = _choice("default", "Sampler plugin.")
+    server: ServerSection = Field(default_factory=ServerSection)
+
+    def plugin_choice(self, kind: str) -> PluginChoice:
+        return getattr(self, SLOTS[kind])
+
+
+# Plugin kind -> config field holding its choice.
+SLOTS = {"attention": "attention", "quant": "quant", "comm": "comm", "kvconnector": "kv_connector", "sampler": "sampler"}
+# Sections whose flags are derived from field names; "server" flags only exist on `fw serve`.
+ENGINE_SECTIONS = ("model", "cache", "scheduler", "parallel")
+SERVER_SECTIONS = ("server",)
+# Flag spellings that differ from the field name (the vLLM spelling stays available).
+FLAG_ALIASES = {
+    "parallel.tensor_parallel_size": ("-tp",),
+    "parallel.pipeline_parallel_size": ("-pp",),
+    "parallel.data_parallel_size": ("-dp",),
+    "quant.name": ("--quantization", "-q"),
+    "attention.name": ("--attention-backend",),
+}
+
+
+@dataclass(frozen=True)
+class CliOption:
+    """A command-line flag that sets one configuration path."""
+
+    flag: str  # "--max-num-seqs"
+    path: str  # "scheduler.max_num_seqs"
+    help: str = ""
+    is_flag: bool = False  # boolean: --x / --no-x
+    choices: tuple[str, ...] | None = None
+    aliases: tuple[str, ...] = ()
+
+
+def _hook():
+    from fw.plugins import get_plugin_manager
+
+    return get_plugin_manager().hook
+
+
+def config_class() -> type[FwConfig]:
+    """FwConfig plus the sections hooks plugins contribute."""
+    extra: dict[str, Any] = {}
+    for contributed in _hook().fw_config_sections():
+        for name, model in (contributed or {}).items():
+            if name in FwConfig.model_fields or name in extra:
+                raise ConfigError(f"a hooks plugin contributes config section {name!r}, which already exists")
+            extra[name] = (model, Field(default_factory=model))
+    if not extra:
+        return FwConfig
+    return create_model("FwConfig", __base__=FwConfig, **extra)
+
+
+def cli_options(sections: tuple[str, ...] = ENGINE_SECTIONS) -> list[CliOption]:
+    """Flags for the given core sections, the plugin slots, and hooks plugins' contributions."""
+    out = []
+    for section in sections:
+        for name, info in FwConfig.model_fields[section].annotation.model_fields.items():
+            path = f"{section}.{name}"
+            annotation = info.annotation
+            choices = getattr(annotation, "__args__", None) if getattr(annotation, "__origin__", None) is Literal else None
+            out.append(
+                CliOption(
+                    flag="--" + name.replace("_", "-"),
+                    path=path,
+                    help=info.description or "",
+                    is_flag=annotation is bool,
+                    choices=tuple(choices) if choices else None,
+                    aliases=FLAG_ALIASES.get(path, ()),
+                )
+            )
+    if sections == ENGINE_SECTIONS:
+        for kind, field in SLOTS.items():
+            path = f"{field}.name"
+            flag = "--" + ("kv-connector" if kind == "kvconnector" else kind)
+            out.append(CliOption(flag, path, FwConfig.model_fields[field].description or "", aliases=FLAG_ALIASES.get(path, ())))
+        for contributed in _hook().fw_cli_options():
+            out.extend(contributed or [])
+    return out
+
+
+def parse_plugin_options(items: list[str]) -> dict[str, Any]:
+    """``--plugin-option sampler.mass=0.9`` items -> ``{"sampler": {"options": {"mass": "0.9"}}}``."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        kind, dot, option = key.partition(".")
+        if not sep or not dot or kind not in SLOTS or not option:
+            raise ConfigError(
+                f"--plugin-option {item!r}: expected KIND.OPTION=VALUE with KIND one of {', '.join(SLOTS)}"
+            )
+        out.setdefault(SLOTS[kind], {}).setdefault("options", {})[option] = value
+    return out
+
+
+def set_path(tree: dict[str, Any], path: str, value: Any) -> None:
+    *parents, leaf = path.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[leaf] = value
+
+
+def _file_values(cls: type[FwConfig], path: str) -> dict[str, Any]:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    suffix = file.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            return YamlConfigSettingsSource(cls, yaml_file=file)()
+        if suffix == ".toml":
+            return TomlConfigSettingsSource(cls, toml_file=file)()
+    except Exception as exc:
+        raise ConfigError(f"--config {path}: cannot parse: {exc}") from exc
+    raise ConfigError(f"--config {path}: unknown format {suffix or '(none)'} (use .yaml, .yml or .toml)")
+
+
+def _merge(into: dict[str, Any], values: dict[str, Any], source: str, sources: dict[str, str], prefix: str = "") -> None:
+    """Deep-merge ``values`` into ``into`` (dicts merge, anything else replaces), recording each leaf's source."""
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value, source, sources, path + ".")
+        elif isinstance(value, dict):
+            into[key] = {}
+            _merge(into[key], value, source, sources, path + ".")
+        else:
+            into[key] = copy.deepcopy(value)
+            for stale in [p for p in sources if p.startswith(path + ".")]:
+                del sources[stale]
+            sources[path] = source
+
+
+@dataclass
+class ResolvedConfig:
+    config: FwConfig
+    sources: dict[str, str]  # leaf path -> "default" | file path | "env FW_..." | "--flag"
+
+    def source(self, path: str) -> str:
+        while path:
+            if path in self.sources:
+                return self.sources[path]
+            path = path.rpartition(".")[0]
+        return "default"
+
+
+def _env_name(path: str) -> str:
+    return ENV_PREFIX + path.replace(".", "__").upper()
+
+
+def load_config(
+    files: list[str] | tuple[str, ...] = (),
+    cli: dict[str, Any] | None = None,
+    cli_flags: dict[str, str] | None = None,
+) -> ResolvedConfig:
+    """Merge the sources and validate. ``cli`` is a nested dict; ``cli_flags`` maps its paths to flag names."""
+    cls = config_class()
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for path in files:
+        _merge(merged, _file_values(cls, path), path, sources)
+    try:
+        env_values = EnvSettingsSource(cls, env_prefix=ENV_PREFIX, env_nested_delimiter="__")()
+    except SettingsError as exc:
+        raise ConfigError(f"environment: {exc} (nested fields are set as {ENV_PREFIX}SECTION__FIELD)") from None
+    env_sources: dict[str, str] = {}
+    _merge(merged, env_values, "env", env_sources)
+    sources.update({p: f"env {_env_name(p)}" for p in env_sources})
+    cli_sources: dict[str, str] = {}
+    _merge(merged, cli or {}, "cli", cli_sources)
+    sources.update({p: (cli_flags or {}).get(p, "command line") for p in cli_sources})
+    try:
+        config = cls.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, merged, sources)) from None
+    return ResolvedConfig(config, sources)
+
+
+def _format_errors(exc: ValidationError, merged: dict[str, Any], sources: dict[str, str]) -> str:
+    lines = ["invalid configuration:"]
+    for err in exc.errors():
+        path = ".".join(str(p) for p in err["loc"])
+        where = ResolvedConfig(None, sources).source(path)  # type: ignore[arg-type]
+        value = merged
+        for part in err["loc"]:
+            value = value.get(part) if isinstance(value, dict) else None
+        shown = f" = {value!r}" if value is not None and not isinstance(value, dict) else ""
+        lines.append(f"  {path}{shown} (from {where}): {err['msg']}")
+    return "\n".join(lines)
+
+
+def show(resolved: ResolvedConfig) -> str:
+    """The effective configuration as YAML, each value annotated with its source."""
+    data = resolved.config.model_dump(mode="json")
+    lines: list[str] = []
+
+    def walk(node: dict[str, Any], prefix: str, indent: int) -> None:
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            pad = "  " * indent
+            if isinstance(value, dict) and value:
+                lines.append(f"{pad}{key}:")
+                walk(value, path + ".", indent + 1)
+            else:
+                lines.append(f"{pad}{key}: {json.dumps(value)}  # {resolved.source(path)}")
+
+    walk(data, "", 0)
+    return "\n".join(lines)

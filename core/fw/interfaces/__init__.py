@@ -1,0 +1,1 @@
+"""One interface module per plugin kind: the abstract class and its capability record."""

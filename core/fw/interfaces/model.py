@@ -1,0 +1,33 @@
+"""Model architecture interface (plugin kind ``fw.models``).
+
+A model plugin maps Hugging Face ``config.json`` ``architectures`` names to a
+``torch.nn.Module`` with this shape (the built-ins in ``fw.models`` are the
+examples):
+
+- ``__init__(self, config: fw.models.base.HFConfig, ctx: fw.models.base.ModelContext)``
+- ``forward(input_ids [T], positions [T]) -> hidden states [T, hidden]``
+  (attention layers read the step's KV cache and metadata from
+  ``fw.forward_context``)
+- ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` (full vocabulary on every rank)
+- ``load_weights(weights: Iterable[tuple[str, Tensor]]) -> set[str]``
+  (checkpoint names as in the Hugging Face checkpoint; returns the parameter names loaded)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fw.interfaces.base import Capabilities, Requirements
+
+API_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelCapabilities(Capabilities):
+    architectures: frozenset[str] = frozenset()
+
+    def problems(self, req: Requirements) -> list[str]:
+        out = super().problems(req)
+        if req.architecture and req.architecture not in self.architectures:
+            out.append(f"does not implement {req.architecture}")
+        return out

@@ -1,0 +1,1 @@
+"""Tensor-parallel building blocks that the built-in models are assembled from."""

@@ -1,0 +1,51 @@
+"""Vocabulary-parallel token embedding and LM head.
+
+Each rank holds a contiguous slice of ``ceil(vocab / tp)`` rows (the last
+rank's tail is zero padding). The embedding looks up the ids it owns and
+all-reduces; the LM head computes its slice of the logits and all-gathers.
+With tied embeddings the head simply shares the embedding's parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fw.distributed import get_tp_group
+from fw.layers.utils import check_shape
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, params_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.tp = get_tp_group()
+        self.num_embeddings = num_embeddings
+        rows_per_rank = -(-num_embeddings // self.tp.world_size)
+        self.vocab_start = min(self.tp.rank * rows_per_rank, num_embeddings)
+        self.vocab_end = min(self.vocab_start + rows_per_rank, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(rows_per_rank, embedding_dim, dtype=params_dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        check_shape((self.num_embeddings, param.shape[1]), loaded, "vocabulary embedding")
+        rows = self.vocab_end - self.vocab_start
+        param.data[:rows].copy_(loaded[self.vocab_start : self.vocab_end])
+        param.data[rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        foreign = (local < 0) | (local >= self.vocab_end - self.vocab_start)
+        out = F.embedding(local.masked_fill(foreign, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(foreign.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits over the full vocabulary, on every rank."""
+        logits = F.linear(hidden, self.weight)
+        if self.tp.world_size > 1:
+            logits = self.tp.all_gather(logits, dim=-1)
+        return logits[..., : self.num_embeddings].float()

@@ -1,0 +1,67 @@
+"""Offline inference with vLLM's names: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from fw.config import cli_options, load_config
+from fw.engine import LLMEngine
+from fw.outputs import RequestOutput
+from fw.sampling_params import SamplingParams
+
+
+def _config_paths() -> dict[str, str]:
+    """Keyword -> configuration path: the flag names with underscores (``max_num_seqs``, ``attention``)."""
+    return {o.flag[2:].replace("-", "_"): o.path for o in cli_options()}
+
+
+class LLM:
+    """Keyword arguments are the `fw` flags with underscores; ``config_files`` layers YAML/TOML files beneath them."""
+
+    def __init__(self, model: str | None = None, *, config_files: Sequence[str] = (), **kwargs: Any) -> None:
+        paths = _config_paths()
+        unknown = sorted(set(kwargs) - set(paths))
+        if unknown:
+            raise TypeError(f"LLM() got unknown argument(s) {', '.join(unknown)}; valid: {', '.join(sorted(paths))}")
+        values: dict[str, Any] = {"model": os.fspath(model) if model is not None else None, **kwargs}
+        cli: dict[str, Any] = {}
+        for key, value in values.items():
+            if value is not None:
+                section, _, leaf = paths[key].partition(".")
+                cli.setdefault(section, {})[leaf] = value
+        resolved = load_config(config_files, cli, {paths[k]: f"LLM({k}=...)" for k in values})
+        self.llm_engine = LLMEngine(resolved.config)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str] | Sequence[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        engine = self.llm_engine
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+        done: dict[str, RequestOutput] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "llm_engine", None)
+        if engine is not None and engine.executor.group is not None:
+            engine.shutdown()

@@ -1,0 +1,54 @@
+"""Model registry: ``config.json`` ``architectures`` -> the plugin implementing it.
+
+Built-in architectures register under ``fw.models`` exactly like third-party
+ones (see core's pyproject.toml), so lookup is one path for both.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fw import plugins
+
+
+class ModelError(RuntimeError):
+    """The model cannot be used; the message names the problem."""
+
+
+def read_hf_config(model_path: str) -> dict[str, Any] | None:
+    """config.json of a model directory; None for a single-file checkpoint (GGUF), which its quant plugin reads."""
+    path = Path(model_path)
+    if not path.exists():
+        raise ModelError(f"model path {model_path} does not exist")
+    if path.is_file():
+        return None
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelError(f"{model_path} has no config.json")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{config_file} is not valid JSON: {exc}") from None
+
+
+def supported_architectures() -> dict[str, plugins.PluginSpec]:
+    out: dict[str, plugins.PluginSpec] = {}
+    for spec in plugins.available("models").values():
+        for arch in spec.capabilities.architectures:
+            out.setdefault(arch, spec)
+    return out
+
+
+def resolve(hf_config: dict[str, Any]) -> plugins.PluginSpec:
+    """The models plugin for the first of the config's architectures that one implements."""
+    archs = hf_config.get("architectures") or []
+    known = supported_architectures()
+    for arch in archs:
+        if arch in known:
+            return known[arch]
+    raise ModelError(
+        f"unsupported model architecture {', '.join(archs) or '(config.json lists none)'}; "
+        f"supported: {', '.join(sorted(known))}"
+    )

@@ -1,0 +1,88 @@
+"""Loads the model with the selected plugins, owns the KV cache, runs one step's forward pass.
+
+Every tensor-parallel rank runs one ModelRunner; each re-resolves its plugins
+by name, so nothing but plain configuration crosses process boundaries.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fw import model_registry, plugins
+from fw.config import FwConfig
+from fw.forward_context import set_forward_context
+from fw.interfaces.attention import AttentionBatch
+from fw.model_loader import iter_safetensors, load_model, resolve_dtype
+from fw.models.base import HFConfig, ModelContext
+from fw.scheduler import StepInputs
+from fw.validate import CheckResult
+
+log = logging.getLogger("fw")
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: FwConfig, check: CheckResult, hf_config: dict, device: str) -> None:
+        self.config = config
+        self.device = device
+        selected, options = check.selected, check.options
+        quant = selected["quant"].load()(options.get("quant"), hf_config.get("quantization_config"))
+        attention = selected["attention"].load()(options.get("attention"))
+        self.attention = attention
+        self.hf_config = HFConfig(hf_config)
+        dtype_name = check.requirements.dtype
+        self.dtype = resolve_dtype(self.hf_config, dtype_name)
+        ctx = ModelContext(dtype=self.dtype, quant=quant, attention=attention)
+        model_cls = model_registry.resolve(hf_config).load()
+        weights = quant.load_checkpoint(config.model.model)
+        tensors = weights[1] if weights is not None else iter_safetensors(config.model.model)
+        self.model = load_model(model_cls, self.hf_config, ctx, tensors, device=device)
+        self.block_size = config.cache.block_size
+        self.num_blocks = self._num_blocks()
+        specs = self.model.attention_specs()
+        self.kv_caches = [
+            torch.empty(
+                attention.kv_cache_shape(self.num_blocks, self.block_size, s.num_kv_heads, s.head_size),
+                dtype=self.dtype,
+                device=device,
+            )
+            for s in specs
+        ]
+
+    def _bytes_per_block(self) -> int:
+        per_token = sum(2 * s.num_kv_heads * s.head_size for s in self.model.attention_specs())
+        return per_token * self.block_size * torch.tensor([], dtype=self.dtype).element_size()
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        if cache.kv_cache_memory is not None:
+            budget = int(cache.kv_cache_memory)
+        elif self.device == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            budget = int(free - total * (1 - cache.gpu_memory_utilization))
+        else:
+            budget = DEFAULT_CPU_KV_BYTES
+        return max(budget // self._bytes_per_block(), 0)
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Run the step; returns float32 logits of the sampling rows, [len(sample_rows), vocab]."""
+        for src, dst in inputs.copies:
+            for cache in self.kv_caches:
+                cache[:, dst].copy_(cache[:, src])
+        batch = AttentionBatch.build(inputs.block_tables, inputs.num_computed, inputs.num_new, self.block_size, self.device)
+        positions = torch.cat(
+            [torch.arange(c, c + n) for c, n in zip(inputs.num_computed, inputs.num_new, strict=True)]
+        ).to(self.device)
+        input_ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=self.device)
+        with set_forward_context(self.attention.prepare(batch), self.kv_caches):
+            hidden = self.model(input_ids, positions)
+        last = torch.tensor(
+            [batch.query_start_loc_cpu[i + 1] - 1 for i in inputs.sample_rows], dtype=torch.long, device=self.device
+        )
+        return self.model.compute_logits(hidden[last]).float()

@@ -1,0 +1,34 @@
+"""Entry-point specs of the built-in architectures (light: no torch import)."""
+
+from fw.interfaces.base import frozen
+from fw.interfaces.model import API_VERSION, ModelCapabilities
+from fw.plugins import PluginSpec
+
+
+def _spec(name: str, impl: str, architectures: frozenset[str], description: str) -> PluginSpec:
+    return PluginSpec(
+        name=name,
+        kind="models",
+        impl=impl,
+        capabilities=ModelCapabilities(architectures=architectures, devices=frozen("cpu", "cuda")),
+        api_version=API_VERSION,
+        description=description,
+    )
+
+
+LLAMA = _spec(
+    "llama",
+    "fw.models.llama:LlamaForCausalLM",
+    frozen("LlamaForCausalLM", "MistralForCausalLM"),
+    "Llama 2/3 and Mistral decoders (RoPE scaling: linear, llama3, yarn; Mistral sliding window).",
+)
+QWEN2 = _spec("qwen2", "fw.models.llama:Qwen2ForCausalLM", frozen("Qwen2ForCausalLM"),
+              "Qwen2 / Qwen2.5 decoders (q/k/v bias, optional sliding window).")
+QWEN3 = _spec("qwen3", "fw.models.llama:Qwen3ForCausalLM", frozen("Qwen3ForCausalLM"),
+              "Qwen3 decoders (per-head q/k RMSNorm).")
+MIXTRAL = _spec("mixtral", "fw.models.moe:MixtralForCausalLM", frozen("MixtralForCausalLM"),
+                "Mixtral sparse mixture of experts (top-k renormalized routing).")
+QWEN2_MOE = _spec("qwen2_moe", "fw.models.moe:Qwen2MoeForCausalLM", frozen("Qwen2MoeForCausalLM"),
+                  "Qwen1.5/Qwen2 MoE (routed experts plus a sigmoid-gated shared expert).")
+QWEN3_MOE = _spec("qwen3_moe", "fw.models.moe:Qwen3MoeForCausalLM", frozen("Qwen3MoeForCausalLM"),
+                  "Qwen3 MoE (q/k RMSNorm, norm_topk_prob routing).")

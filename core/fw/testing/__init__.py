@@ -1,0 +1,1 @@
+"""Helpers for testing Flywheel and its plugins: tiny random-weight checkpoints with real tokenizers."""

@@ -1,0 +1,172 @@
+"""Can this model run with these plugins on this device? Every reason it cannot.
+
+Used by every command before anything heavy happens: it reads only
+capability records (no implementation is imported) and reports all problems
+at once, with the plugins of each failing slot that would work instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pydantic import ValidationError
+
+from fw import model_registry, plugins
+from fw.config import SLOTS, FwConfig
+from fw.interfaces.base import Requirements
+from fw.platform import DeviceInfo, detect
+
+
+@dataclass
+class CheckResult:
+    requirements: Requirements
+    selected: dict[str, plugins.PluginSpec] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)  # kind -> parsed options
+    problems: list[str] = field(default_factory=list)
+    alternatives: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def report(self) -> str:
+        lines = [f"cannot run this combination ({len(self.problems)} problem(s)):"]
+        lines += [f"  - {p}" for p in self.problems]
+        for kind, names in self.alternatives.items():
+            lines.append(f"  usable {kind} plugins here: {', '.join(names) or 'none'}")
+        return "\n".join(lines)
+
+
+def _cpu_dtype(dtype: str, device: str) -> str:
+    # float16 has no fast kernels on CPUs without AVX512-FP16/AMX: serve checkpoints stored in it as bfloat16.
+    return "bfloat16" if device == "cpu" and dtype == "float16" else dtype
+
+
+def model_requirements(config: FwConfig, device: DeviceInfo, hf_config: dict[str, Any] | None) -> Requirements:
+    quant_format = None
+    dtype = None if config.model.dtype == "auto" else config.model.dtype
+    head_size = arch = None
+    sliding = mla = False
+    hook = plugins.get_plugin_manager().hook
+    if config.model.model:
+        quant_format = hook.fw_detect_quant_format(model_path=config.model.model, hf_config=hf_config)
+    if hf_config is not None:
+        quant = hf_config.get("quantization_config") or {}
+        quant_format = quant_format or quant.get("quant_method")
+        dtype = dtype or hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+        heads = hf_config.get("num_attention_heads")
+        head_size = hf_config.get("head_dim") or (hf_config["hidden_size"] // heads if heads else None)
+        sliding = bool(hf_config.get("sliding_window")) and hf_config.get("use_sliding_window", True)
+        mla = "kv_lora_rank" in hf_config
+        arch = (hf_config.get("architectures") or [None])[0]
+    return Requirements(
+        device=device.device,
+        compute_capability=device.compute_capability,
+        num_devices=max(device.count, 1) if device.device == "cuda" else 1,
+        dtype=_cpu_dtype(dtype, device.device) if dtype else None,
+        head_size=head_size,
+        kv_cache_dtype=config.cache.kv_cache_dtype,
+        block_size=config.cache.block_size,
+        mla=mla,
+        sliding_window=sliding,
+        quant_format=quant_format,
+        architecture=arch,
+    )
+
+
+def _problems(spec: plugins.PluginSpec, req: Requirements) -> list[str]:
+    return spec.capabilities.problems(req)
+
+
+def _fits(kind: str, req: Requirements) -> list[plugins.PluginSpec]:
+    specs = {s.name: s for s in plugins.available(kind).values()}.values()
+    return sorted((s for s in specs if not _problems(s, req)), key=lambda s: (-s.priority, s.name))
+
+
+def _resolve_slot(kind: str, name: str, req: Requirements, result: CheckResult) -> None:
+    if name == "auto":
+        fitting = _fits(kind, req)
+        if fitting:
+            result.selected[kind] = fitting[0]
+            return
+        reasons = [f"{s.name}: {'; '.join(_problems(s, req))}" for s in plugins.available(kind).values()]
+        result.problems.append(f"no {kind} plugin can run this ({' | '.join(reasons) or 'none installed'})")
+    else:
+        try:
+            spec = plugins.get_spec(kind, name)
+        except plugins.PluginError as exc:
+            result.problems.append(str(exc))
+        else:
+            result.selected[kind] = spec
+            result.problems.extend(f"{kind} plugin {name!r} {p}" for p in _problems(spec, req))
+    if kind not in result.selected or _problems(result.selected[kind], req):
+        result.alternatives[kind] = [s.name for s in _fits(kind, req)]
+
+
+def check(
+    config: FwConfig,
+    device: DeviceInfo | None = None,
+    hf_config: dict[str, Any] | None = None,
+) -> CheckResult:
+    """Resolve every slot of ``config`` and collect every reason the run cannot work."""
+    device = device or detect(config.model.device)
+    req = model_requirements(config, device, hf_config)
+    result = CheckResult(req)
+    if hf_config is not None:
+        try:
+            result.selected["models"] = model_registry.resolve(hf_config)
+        except model_registry.ModelError as exc:
+            result.problems.append(str(exc))
+    for kind, field_name in SLOTS.items():
+        choice = getattr(config, field_name)
+        if choice.name is None:
+            continue
+        if kind == "quant" and choice.name == "auto":
+            choice_name = _auto_quant(req, result)
+            if choice_name is None:
+                continue
+        else:
+            choice_name = choice.name
+        _resolve_slot(kind, choice_name, req, result)
+        spec = result.selected.get(kind)
+        if spec is not None:
+            try:
+                result.options[kind] = spec.parse_options(choice.options)
+            except (ValidationError, plugins.PluginError) as exc:
+                result.problems.append(f"{field_name}.options: {_short(exc)}")
+    _check_cross_slot(req, result)
+    for extra in plugins.get_plugin_manager().hook.fw_validate(config=config, requirements=req):
+        result.problems.extend(extra or [])
+    return result
+
+
+def _auto_quant(req: Requirements, result: CheckResult) -> str | None:
+    """The plugin that loads the checkpoint's format (``none`` for plain weights)."""
+    fmt = req.quant_format or "none"
+    for spec in plugins.available("quant").values():
+        if fmt in spec.capabilities.formats:
+            return spec.name
+    result.problems.append(f"no quant plugin loads {fmt!r} checkpoints (installed: "
+                           f"{', '.join(sorted({s.name for s in plugins.available('quant').values()})) or 'none'})")
+    return None
+
+
+def _check_cross_slot(req: Requirements, result: CheckResult) -> None:
+    quant, attn = result.selected.get("quant"), result.selected.get("attention")
+    if quant is None or attn is None:
+        return
+    needed = quant.capabilities.requires_attention_features - attn.capabilities.features
+    if needed:
+        result.problems.append(
+            f"quant plugin {quant.name!r} needs attention feature(s) {', '.join(sorted(needed))}, "
+            f"which attention plugin {attn.name!r} lacks"
+        )
+        needy = replace(req, attention_features=quant.capabilities.requires_attention_features)
+        result.alternatives["attention"] = [s.name for s in _fits("attention", needy)]
+
+
+def _short(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+    return str(exc)

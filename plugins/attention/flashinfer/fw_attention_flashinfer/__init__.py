@@ -1,0 +1,1 @@
+"""FlashInfer paged-KV attention for CUDA GPUs."""

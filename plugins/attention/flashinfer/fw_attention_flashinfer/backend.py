@@ -1,0 +1,155 @@
+"""FlashInfer attention backend.
+
+The core's default cache layout, ``(2, num_blocks, block_size, kv_heads,
+head_size)``, is FlashInfer's "NHD" paged layout once split into a
+``(k_cache, v_cache)`` tuple, so ``kv_cache_shape`` is not overridden and
+other plugins (KV connectors) keep seeing the usual layout.
+
+One ``BatchPrefillWithPagedKVCacheWrapper`` serves prefill chunks and decodes
+alike: its causal mask is aligned to the end of each request's KV, which is
+exactly ``AttentionBatch``'s rule that the new tokens are the last ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fw.interfaces.attention import AttentionBackend, AttentionBatch, AttentionLayerSpec
+
+INSTALL_HINT = (
+    "the flashinfer attention backend needs a CUDA GPU (compute capability >= 8.0) and the "
+    "flashinfer-python package; install with pip install '.[flashinfer]'"
+)
+MIN_COMPUTE_CAPABILITY = (8, 0)
+# Scratch space for split-KV partial results, shared by all wrappers (they run one after another
+# on one stream). FlashInfer's docs use 128 MiB; large mixed batches can need more.
+WORKSPACE_BYTES = 256 * 1024 * 1024
+
+
+def load_flashinfer() -> Any:
+    """Import flashinfer, or raise a RuntimeError that names every missing piece."""
+    missing = []
+    if not torch.cuda.is_available():
+        missing.append("no CUDA GPU is visible to torch")
+    else:
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < MIN_COMPUTE_CAPABILITY:
+            missing.append(f"the GPU has compute capability {major}.{minor}")
+    if importlib.util.find_spec("flashinfer") is None:
+        missing.append("the flashinfer-python package is not installed")
+    if missing:
+        raise RuntimeError(f"{INSTALL_HINT} ({'; '.join(missing)})")
+    try:
+        return importlib.import_module("flashinfer")
+    except Exception as exc:  # a broken install (CUDA/ABI mismatch) is as fatal as a missing one
+        raise RuntimeError(f"{INSTALL_HINT} (importing flashinfer failed: {type(exc).__name__}: {exc})") from exc
+
+
+@dataclass
+class FlashInferMetadata:
+    """One step's batch in FlashInfer's CSR page-table form."""
+
+    slot_mapping: torch.Tensor  # [T] int64, device: where forward() writes the new K/V
+    qo_indptr: torch.Tensor  # [B + 1] int32, host
+    kv_indptr: torch.Tensor  # [B + 1] int32, host: request i's pages are kv_indices[kv_indptr[i]:kv_indptr[i+1]]
+    kv_indices: torch.Tensor  # [total pages] int32, device
+    kv_last_page_len: torch.Tensor  # [B] int32, host: 1..block_size
+    block_size: int
+
+
+class FlashInferAttention(AttentionBackend):
+    def __init__(self, options: Any = None) -> None:
+        super().__init__(options)
+        # Fail at construction, with the reason, rather than with an ImportError mid-forward.
+        self._flashinfer = load_flashinfer()
+        self._workspace: torch.Tensor | None = None
+        # plan() state lives in a wrapper, so each distinct layer configuration gets its own wrapper,
+        # stored with the metadata it was last planned for.
+        self._wrappers: dict[tuple, tuple[Any, FlashInferMetadata]] = {}
+
+    def prepare(self, batch: AttentionBatch) -> FlashInferMetadata:
+        device = batch.block_tables.device
+        if self._workspace is None:
+            self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        bs = batch.block_size
+        # Everything but the page ids is built from the host copies: plan() needs them on the host anyway.
+        seq_lens = torch.tensor(batch.seq_lens_cpu, dtype=torch.int32)
+        num_pages = (seq_lens + bs - 1) // bs
+        kv_indptr = torch.zeros(batch.num_reqs + 1, dtype=torch.int32)
+        torch.cumsum(num_pages, 0, out=kv_indptr[1:])
+        # Each used page's position in the flattened block table, so the page ids are gathered on the
+        # device without reading the block table back (a sync).
+        width = batch.block_tables.shape[1]
+        rows = torch.repeat_interleave(torch.arange(batch.num_reqs), num_pages)
+        cols = torch.arange(int(kv_indptr[-1])) - kv_indptr[:-1].repeat_interleave(num_pages)
+        flat = (rows * width + cols).to(device, non_blocking=True)
+        return FlashInferMetadata(
+            slot_mapping=batch.slot_mapping,
+            qo_indptr=torch.tensor(batch.query_start_loc_cpu, dtype=torch.int32),
+            kv_indptr=kv_indptr,
+            kv_indices=batch.block_tables.reshape(-1)[flat].to(torch.int32),
+            kv_last_page_len=seq_lens - (num_pages - 1) * bs,
+            block_size=bs,
+        )
+
+    def _planned_wrapper(
+        self, layer: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor, meta: FlashInferMetadata
+    ) -> Any:
+        # FlashInfer's window_left counts the keys left of the query; the layer's window includes the query.
+        window_left = layer.sliding_window - 1 if layer.sliding_window else -1
+        # AttentionLayerSpec has no soft-cap field; a model that caps logits passes a spec carrying one.
+        soft_cap = getattr(layer, "logits_soft_cap", None)
+        key = (
+            layer.num_heads,
+            layer.num_kv_heads,
+            layer.head_size,
+            layer.scale,
+            window_left,
+            soft_cap,
+            q.dtype,
+            kv_cache.dtype,
+        )
+        wrapper, planned_for = self._wrappers.get(key, (None, None))
+        if wrapper is None:
+            wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        if planned_for is not meta:
+            # The first layer of this configuration in this step plans; the others reuse the plan.
+            wrapper.plan(
+                meta.qo_indptr,
+                meta.kv_indptr,
+                meta.kv_indices,
+                meta.kv_last_page_len,
+                layer.num_heads,
+                layer.num_kv_heads,
+                layer.head_size,
+                meta.block_size,
+                causal=True,
+                sm_scale=layer.scale,
+                window_left=window_left,
+                logits_soft_cap=soft_cap,
+                q_data_type=q.dtype,
+                kv_data_type=kv_cache.dtype,
+            )
+            self._wrappers[key] = (wrapper, meta)
+        return wrapper
+
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: FlashInferMetadata,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        # The kernel reads the new tokens' K/V from the cache, so they go in first.
+        k_cache.view(-1, layer.num_kv_heads, layer.head_size).index_copy_(0, metadata.slot_mapping, k)
+        v_cache.view(-1, layer.num_kv_heads, layer.head_size).index_copy_(0, metadata.slot_mapping, v)
+        wrapper = self._planned_wrapper(layer, q, kv_cache, metadata)
+        return wrapper.run(q, (k_cache, v_cache))

@@ -1,0 +1,17 @@
+from fw.interfaces import attention
+from fw.interfaces.base import frozen
+from fw.plugins import PluginSpec
+
+SPEC = PluginSpec(
+    name="torch",
+    kind="attention",
+    impl="fw_attention_torch.backend:TorchAttention",
+    capabilities=attention.AttentionCapabilities(
+        devices=frozen("cpu", "cuda"),
+        dtypes=frozen("float32", "bfloat16", "float16"),
+        features=frozen("sliding_window"),
+        kv_cache_dtypes=frozen("auto"),
+    ),
+    api_version=attention.API_VERSION,
+    description="Paged prefill and decode with torch scaled_dot_product_attention; any head size and block size.",
+)

@@ -1,0 +1,1 @@
+"""Collectives over torch.distributed: gloo on CPU, NCCL on CUDA."""

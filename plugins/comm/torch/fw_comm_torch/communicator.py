@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fw.interfaces.comm import Communicator
+
+
+class TorchDistributed(Communicator):
+    def __init__(self, ranks, rank, device, options=None):
+        super().__init__(ranks, rank, device, options)
+        # The whole world needs no subgroup; a subgroup must be created by every rank, in the same order.
+        self.group = None if len(ranks) == dist.get_world_size() else dist.new_group(ranks)
+
+    @classmethod
+    def init_world(cls, rank, world_size, init_method, device, timeout_s):
+        if dist.is_initialized():
+            return
+        backend = "nccl" if device == "cuda" else "gloo"
+        if device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+
+    @classmethod
+    def destroy_world(cls):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _global(self, group_rank: int) -> int:
+        return self.ranks[group_rank]
+
+    def all_reduce(self, t):
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def all_gather(self, t, dim=-1):
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, t, dim=0):
+        chunks = [c.contiguous() for c in t.chunk(self.world_size, dim=dim)]
+        out = torch.empty_like(chunks[self.rank])
+        dist.reduce_scatter(out, chunks, group=self.group)
+        return out
+
+    def all_to_all(self, t, send_counts, recv_counts):
+        out = t.new_empty((sum(recv_counts), *t.shape[1:]))
+        dist.all_to_all_single(
+            out, t.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts, group=self.group
+        )
+        return out
+
+    def broadcast(self, t, src=0):
+        dist.broadcast(t, src=self._global(src), group=self.group)
+        return t
+
+    def send(self, t, dst):
+        dist.send(t.contiguous(), dst=self._global(dst), group=self.group)
+
+    def recv(self, t, src):
+        dist.recv(t, src=self._global(src), group=self.group)
+        return t
+
+    def barrier(self):
+        dist.barrier(group=self.group)

@@ -1,0 +1,1 @@
+"""Share prompt-prefix KV blocks between engine instances through a directory."""

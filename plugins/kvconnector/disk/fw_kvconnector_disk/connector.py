@@ -1,0 +1,219 @@
+"""Disk KV connector: prompt-prefix KV blocks shared through a directory.
+
+A producer writes the KV of every full prompt block to
+``<path>/<hash>.safetensors``, where ``hash`` is the block's prefix hash
+(``fw.kv_cache.hash_block_tokens`` chained over the prompt's blocks), so a
+file stands for exactly one prefix. A consumer (another instance, or this one
+after a restart) given a prompt with that prefix loads the blocks instead of
+computing them. A file holds the block's K and V for every layer and appears
+atomically (written under a temporary name, then renamed): a file that exists
+is complete, which is what the scheduler's existence check relies on.
+
+Engine call order, per step::
+
+    scheduler side                                   worker side
+    get_num_new_matched_tokens()  new requests
+    update_state_after_alloc()    after allocation
+    request_computed()            scheduled requests
+    build_connector_meta() -> meta  ---------------> start_load_kv(meta)
+                                                     per layer i: wait_for_layer_load(i), attention,
+                                                                  save_kv_layer(i, kv_caches[i], meta)
+                                                     wait_for_save()   (writes the step's files)
+    request_finished()            when a request ends
+
+Files hold whole blocks as one worker sees them, so this connector serves a
+single worker process per engine: with tensor or pipeline parallelism each
+worker holds a shard and their files would collide.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from fw.interfaces.kvconnector import KVConnector, KVConnectorScheduler, KVConnectorWorker
+from fw.kv_cache import hash_block_tokens
+from fw_kvconnector_disk.spec import DiskOptions
+
+
+@dataclass(frozen=True)
+class DiskConnectorMeta:
+    """One step's transfers, as plain data (it is sent to the worker processes)."""
+
+    loads: tuple[tuple[int, int], ...] = ()  # (block_id, block_hash): fill the block from the hash's file
+    saves: tuple[tuple[int, int], ...] = ()  # (block_id, block_hash): write the block to the hash's file
+
+
+def block_file(root: str, block_hash: int) -> str:
+    return os.path.join(root, f"{block_hash:016x}.safetensors")
+
+
+class DiskScheduler(KVConnectorScheduler):
+    def __init__(self, options: DiskOptions | None, block_size: int) -> None:
+        super().__init__(options or DiskOptions(), block_size)
+        self._hashes: dict[str, list[int]] = {}  # request -> hashes of its full prompt blocks
+        self._matched: dict[str, tuple[int, list[int]]] = {}  # request -> (first block index, hashes on disk)
+        self._next_save: dict[str, int] = {}  # request -> first prompt block not yet considered for saving
+        self._loads: list[tuple[int, int]] = []
+        # hash -> block id: two requests computing the same prefix in one step save it once.
+        self._saves: dict[int, int] = {}
+
+    def _prompt_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
+        hashes = self._hashes.get(request_id)
+        if hashes is None:
+            hashes, parent, bs = [], None, self.block_size
+            for start in range(0, len(token_ids) - bs + 1, bs):
+                parent = hash_block_tokens(parent, token_ids[start : start + bs])
+                hashes.append(parent)
+            self._hashes[request_id] = hashes
+        return hashes
+
+    def _on_disk(self, block_hash: int) -> bool:
+        return os.path.exists(block_file(self.options.path, block_hash))
+
+    def get_num_new_matched_tokens(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> int:
+        self._matched.pop(request_id, None)
+        # Files hold whole blocks, so a partly computed block cannot be completed from disk.
+        if self.options.role == "producer" or num_computed_tokens % self.block_size:
+            return 0
+        hashes = self._prompt_hashes(request_id, token_ids)
+        first = num_computed_tokens // self.block_size
+        # The last prompt token is always computed locally: its logits give the first output token.
+        limit = (len(token_ids) - 1) // self.block_size
+        found = []
+        for block_hash in hashes[first:limit]:
+            if not self._on_disk(block_hash):
+                break  # a prefix chain: nothing past a missing block can be used
+            found.append(block_hash)
+        if found:
+            self._matched[request_id] = (first, found)
+        return len(found) * self.block_size
+
+    def update_state_after_alloc(self, request_id: str, block_ids: list[int], num_external_tokens: int) -> None:
+        """``block_ids`` is the request's whole block table, in logical order."""
+        first, found = self._matched.pop(request_id, (0, []))
+        for i, block_hash in enumerate(found[: num_external_tokens // self.block_size]):
+            self._loads.append((block_ids[first + i], block_hash))
+
+    def request_computed(
+        self, request_id: str, token_ids: Sequence[int], block_ids: list[int], num_computed_tokens: int
+    ) -> None:
+        """Engine hook: once this step runs, the request's first ``num_computed_tokens`` tokens have KV.
+
+        Call it for every request scheduled in a step, after its blocks are allocated and before
+        ``build_connector_meta()``, with the prompt's ``token_ids`` and the request's whole block
+        table. Each full prompt block covered for the first time joins this step's saves unless its
+        file exists already (loaded blocks, or another producer's).
+        """
+        if self.options.role == "consumer":
+            return
+        hashes = self._prompt_hashes(request_id, token_ids)
+        start = self._next_save.get(request_id, 0)
+        end = min(num_computed_tokens // self.block_size, len(hashes))
+        for i in range(start, end):
+            if hashes[i] not in self._saves and not self._on_disk(hashes[i]):
+                self._saves[hashes[i]] = block_ids[i]
+        self._next_save[request_id] = max(start, end)
+
+    def build_connector_meta(self) -> DiskConnectorMeta:
+        meta = DiskConnectorMeta(
+            loads=tuple(self._loads), saves=tuple((block_id, h) for h, block_id in self._saves.items())
+        )
+        self._loads, self._saves = [], {}
+        return meta
+
+    def request_finished(self, request_id: str, block_ids: list[int]) -> bool:
+        for state in (self._hashes, self._matched, self._next_save):
+            state.pop(request_id, None)
+        # A request that ends before its step's metadata is built (an abort) frees blocks that may be
+        # handed out again: drop its pending transfers. Saves are done within their step, so the
+        # blocks need not be kept.
+        freed = set(block_ids)
+        self._loads = [(b, h) for b, h in self._loads if b not in freed]
+        self._saves = {h: b for h, b in self._saves.items() if b not in freed}
+        return False
+
+
+class DiskWorker(KVConnectorWorker):
+    def __init__(self, options: DiskOptions | None) -> None:
+        super().__init__(options or DiskOptions())
+        self.kv_caches: list[torch.Tensor] = []
+        self._gathered: dict[int, torch.Tensor] = {}  # layer -> [2, n_saves, block_size, heads, dim]
+        self._saves: tuple[tuple[int, int], ...] = ()
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                "the disk KV connector supports a single worker process per engine: with tensor or pipeline "
+                "parallelism each worker holds a shard of every block and their files would collide"
+            )
+        super().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, meta: DiskConnectorMeta) -> None:
+        # Loads finish here, before the forward pass, so wait_for_layer_load has nothing to wait for.
+        for block_id, block_hash in meta.loads:
+            name = block_file(self.options.path, block_hash)
+            try:
+                tensors = load_file(name)
+            except Exception as exc:  # deleted or corrupted since the scheduler saw it
+                raise RuntimeError(f"cannot load KV block file {name}: {type(exc).__name__}: {exc}") from exc
+            if len(tensors) != len(self.kv_caches):
+                raise RuntimeError(
+                    f"{name} holds {len(tensors)} layers but this model has {len(self.kv_caches)}; "
+                    "use one directory per model"
+                )
+            for layer_idx, cache in enumerate(self.kv_caches):
+                block, dst = tensors[f"layer.{layer_idx}"], cache[:, block_id]
+                if block.shape != dst.shape or block.dtype != dst.dtype:
+                    raise RuntimeError(
+                        f"{name} layer {layer_idx} is {block.dtype} {tuple(block.shape)}, the cache block is "
+                        f"{dst.dtype} {tuple(dst.shape)}; use one directory per model"
+                    )
+                dst.copy_(block)
+
+    def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, meta: DiskConnectorMeta) -> None:
+        if not meta.saves:
+            return
+        ids = torch.tensor([block_id for block_id, _ in meta.saves], device=kv_cache.device)
+        # A copy on the cache's device: no host sync in the middle of the forward pass, and later
+        # writes to the cache cannot change it. The files are written in wait_for_save.
+        self._gathered[layer_idx] = kv_cache.index_select(1, ids)
+        self._saves = meta.saves
+
+    def wait_for_save(self) -> None:
+        gathered, saves = self._gathered, self._saves
+        self._gathered, self._saves = {}, ()
+        if not gathered:
+            return
+        if sorted(gathered) != list(range(len(self.kv_caches))):
+            raise RuntimeError(
+                f"save_kv_layer ran for layers {sorted(gathered)} of {len(self.kv_caches)}: "
+                "a block file must hold every layer"
+            )
+        os.makedirs(self.options.path, exist_ok=True)
+        on_host = {layer_idx: t.cpu() for layer_idx, t in gathered.items()}
+        for j, (_, block_hash) in enumerate(saves):
+            tensors = {f"layer.{i}": t[:, j].contiguous() for i, t in on_host.items()}
+            _write_atomically(block_file(self.options.path, block_hash), tensors)
+
+
+def _write_atomically(name: str, tensors: dict[str, torch.Tensor]) -> None:
+    # Readers (other instances, the scheduler's existence check) must never see a partial file;
+    # the dot prefix keeps the temporary out of "*.safetensors" listings.
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(name), prefix=".", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp)
+        os.replace(tmp, name)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+KV_CONNECTOR = KVConnector(scheduler=DiskScheduler, worker=DiskWorker)

@@ -1,0 +1,1 @@
+"""Unquantized linear layers: the checkpoint's weights as they are."""

@@ -1,0 +1,87 @@
+"""A hooks plugin registered under fw.hooks is called at the documented points."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_fw
+
+HOOKS = """
+import json, os
+from pydantic import BaseModel
+from fw import hookimpl
+from fw.config import CliOption
+
+def _log(event, **data):
+    with open(os.environ["FW_TEST_HOOK_LOG"], "a") as f:
+        f.write(json.dumps({"event": event, **data}) + "\\n")
+
+class AuditSection(BaseModel, extra="forbid"):
+    level: int = 1
+    reject: bool = False
+
+@hookimpl
+def fw_config_sections():
+    return {"audit": AuditSection}
+
+@hookimpl
+def fw_cli_options():
+    return [CliOption("--audit-level", "audit.level", "How loud the audit is.")]
+
+@hookimpl
+def fw_configure(config):
+    _log("configure", level=config.audit.level)
+
+@hookimpl
+def fw_validate(config, requirements):
+    _log("validate", device=requirements.device)
+    return ["audit says no"] if config.audit.reject else []
+
+@hookimpl
+def fw_detect_quant_format(model_path):
+    _log("detect", model_path=model_path)
+    return None
+"""
+
+
+def events(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_hooks_plugin_contributes_config_and_flags(fake_site, tmp_path):
+    site = fake_site("fw-audit", {"fw.hooks": {"audit": "fw_audit_hooks"}}, {"fw_audit_hooks": HOOKS})
+    log = tmp_path / "log.jsonl"
+    env = {"FW_TEST_HOOK_LOG": str(log), "FW_AUDIT__REJECT": "false"}
+    result = run_fw("config", "show", "--audit-level", "3", env=env, pythonpath=site)
+    assert result.returncode == 0, result.stderr
+    assert "audit:" in result.stdout and "level: 3  # --audit-level" in result.stdout
+    assert "reject: false  # env FW_AUDIT__REJECT" in result.stdout
+    listed = run_fw("plugins", "list", "--kind", "hooks", pythonpath=site)
+    assert "audit" in listed.stdout and "fw-audit" in listed.stdout
+
+
+def test_hooks_called_at_startup_and_validation(fake_site, tmp_path):
+    site = fake_site("fw-audit", {"fw.hooks": {"audit": "fw_audit_hooks"}}, {"fw_audit_hooks": HOOKS})
+    log = tmp_path / "log.jsonl"
+    env = {"FW_TEST_HOOK_LOG": str(log)}
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                                                   "num_attention_heads": 4}))
+    result = run_fw("plugins", "check", "--device", "cpu", "--model", str(model), "--audit-level", "2", env=env,
+                    pythonpath=site)
+    assert result.returncode == 0, result.stderr
+    assert [e["event"] for e in events(log)] == ["configure", "detect", "validate"]
+    assert events(log)[0]["level"] == 2 and events(log)[1]["model_path"] == str(model)
+    rejected = run_fw("plugins", "check", "--device", "cpu", env={**env, "FW_AUDIT__REJECT": "1"}, pythonpath=site)
+    assert rejected.returncode == 1 and "audit says no" in rejected.stderr
+    disabled = run_fw("plugins", "check", "--device", "cpu", env={**env, "FW_DISABLE_PLUGINS": "audit"},
+                      pythonpath=site)
+    assert disabled.returncode == 0
+
+
+def test_misspelled_hook_is_an_error(fake_site):
+    site = fake_site("fw-typo", {"fw.hooks": {"typo": "fw_typo_hooks"}},
+                     {"fw_typo_hooks": "from fw import hookimpl\n@hookimpl\ndef fw_configur(config):\n    pass\n"})
+    result = run_fw("plugins", "check", "--device", "cpu", pythonpath=site)
+    assert result.returncode != 0 and "fw_configur" in result.stderr
