@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fw_attention_flashinfer import backend
+from fw_attention_flashinfer.spec import SPEC
 
 from fw.interfaces.attention import AttentionBatch, AttentionLayerSpec
 from fw.interfaces.base import Requirements
-from fw_attention_flashinfer import backend
-from fw_attention_flashinfer.spec import SPEC
 
 GPU_READY = (
     torch.cuda.is_available()
@@ -83,27 +83,8 @@ def test_on_a_gpu_the_error_names_what_is_missing(monkeypatch, capability, reaso
 def make_batch(requests, block_size, num_blocks, device, generator):
     """requests: (context_len, new_len) pairs. Pages are drawn at random so page order matters."""
     pages = torch.randperm(num_blocks, generator=generator).tolist()
-    tables, slots, seq_lens, starts = [], [], [], [0]
-    for context, new in requests:
-        seq = context + new
-        table = [pages.pop() for _ in range(-(-seq // block_size))]
-        tables.append(table)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(context, seq)]
-        seq_lens.append(seq)
-        starts.append(starts[-1] + new)
-    width = max(map(len, tables))
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    return AttentionBatch(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_size=block_size,
-        max_query_len=max(n for _, n in requests),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=seq_lens,
-    )
+    tables = [[pages.pop() for _ in range(-(-(c + n) // block_size))] for c, n in requests]
+    return AttentionBatch.build(tables, [c for c, _ in requests], [n for _, n in requests], block_size, device)
 
 
 class FakeWrapper:
@@ -129,7 +110,8 @@ def test_prepare_builds_flashinfer_page_tables_and_plans_once_per_layer_shape(mo
         backend, "load_flashinfer", lambda: SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=FakeWrapper)
     )
     gen = torch.Generator().manual_seed(0)
-    requests = [(0, 37), (20, 13), (31, 1), (16, 1)]
+    # The third request has no new tokens this step: FlashInfer is not told about it.
+    requests = [(0, 37), (20, 13), (5, 0), (31, 1), (16, 1)]
     batch = make_batch(requests, 16, 32, "cpu", gen)
     attn = backend.FlashInferAttention()
     meta = attn.prepare(batch)
@@ -138,7 +120,10 @@ def test_prepare_builds_flashinfer_page_tables_and_plans_once_per_layer_shape(mo
     assert meta.kv_indptr.tolist() == [0, 3, 6, 8, 10]
     assert meta.kv_last_page_len.tolist() == [5, 1, 16, 1]
     expected_pages = [
-        p for row, (c, n) in zip(batch.block_tables.tolist(), requests, strict=True) for p in row[: -(-(c + n) // 16)]
+        page
+        for row, (c, n) in zip(batch.block_tables.tolist(), requests, strict=True)
+        if n
+        for page in row[: -(-(c + n) // 16)]
     ]
     assert meta.kv_indices.tolist() == expected_pages
     assert meta.kv_indices.dtype == torch.int32
@@ -195,9 +180,9 @@ def test_matches_dense_causal_attention_on_gpu(window, soft_cap):
     device, dtype, block_size, num_blocks = "cuda", torch.bfloat16, 16, 64
     heads, kv_heads, head_size = 8, 2, 128  # GQA, 4 query heads per KV head
     gen = torch.Generator().manual_seed(1)
-    # Prefill from scratch, prefill chunks on cached context (mid-block and block-aligned), decodes
-    # ending mid-page, on a page boundary and just past one.
-    requests = [(0, 37), (20, 13), (32, 16), (7, 50), (45, 1), (31, 1), (16, 1)]
+    # Prefill from scratch, prefill chunks on cached context (mid-block and block-aligned), a request
+    # with nothing new this step, decodes ending mid-page, on a page boundary and just past one.
+    requests = [(0, 37), (20, 13), (32, 16), (7, 50), (9, 0), (45, 1), (31, 1), (16, 1)]
     batch = make_batch(requests, block_size, num_blocks, device, gen)
     layer = SoftCappedLayer(
         heads, kv_heads, head_size, scale=head_size**-0.5, sliding_window=window, logits_soft_cap=soft_cap

@@ -41,6 +41,35 @@ def fw_validate(config, requirements):
 def fw_detect_quant_format(model_path):
     _log("detect", model_path=model_path)
     return None
+
+@hookimpl
+def fw_engine_started(engine):
+    _log("engine_started", sampler=engine.selected["sampler"])
+
+@hookimpl
+def fw_request_added(request_id, prompt_token_ids):
+    _log("request_added", n=len(prompt_token_ids))
+
+@hookimpl
+def fw_logits_processors(sampling_params):
+    def ban_all_but_seven(output_token_ids, logits):
+        keep = logits[7].clone()
+        logits.fill_(float("-inf"))
+        logits[7] = keep
+        return logits
+    return [ban_all_but_seven]
+
+@hookimpl
+def fw_step_stats(stats):
+    _log("step", tokens=stats.num_scheduled_tokens)
+
+@hookimpl
+def fw_request_finished(request_id, output):
+    _log("request_finished", token_ids=output.outputs[0].token_ids)
+
+@hookimpl
+def fw_unconfigure(config):
+    _log("unconfigure")
 """
 
 
@@ -85,3 +114,21 @@ def test_misspelled_hook_is_an_error(fake_site):
                      {"fw_typo_hooks": "from fw import hookimpl\n@hookimpl\ndef fw_configur(config):\n    pass\n"})
     result = run_fw("plugins", "check", "--device", "cpu", pythonpath=site)
     assert result.returncode != 0 and "fw_configur" in result.stderr
+
+
+def test_engine_hooks_run_at_their_points(fake_site, tmp_path):
+    from fw.testing.models import make_tiny_model
+
+    site = fake_site("fw-audit", {"fw.hooks": {"audit": "fw_audit_hooks"}}, {"fw_audit_hooks": HOOKS})
+    model = make_tiny_model("LlamaForCausalLM", tmp_path / "llama")
+    log = tmp_path / "log.jsonl"
+    result = run_fw("generate", "--model", str(model), "--prompt", "Hello there", "--max-tokens", "3", "--ignore-eos",
+                    "--num-kv-blocks", "16", "--max-model-len", "64", "--device", "cpu",
+                    env={"FW_TEST_HOOK_LOG": str(log)}, pythonpath=site)
+    assert result.returncode == 0, result.stderr
+    seen = events(log)
+    names = [e["event"] for e in seen]
+    assert names == ["configure", "detect", "validate", "engine_started", "request_added", "step", "step", "step",
+                     "request_finished", "unconfigure"]
+    # The logits processor took effect: only token 7 could be sampled.
+    assert seen[names.index("request_finished")]["token_ids"] == [7, 7, 7]

@@ -3,15 +3,16 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
 from fw.kv_cache import (
     BlockPool,
     KVCacheManager,
     NoFreeBlocksError,
     hash_block_tokens,
 )
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 CORE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "core")
 

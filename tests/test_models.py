@@ -16,6 +16,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from fw_attention_torch.backend import TorchAttention  # noqa: E402
+from fw_quant_none.method import Unquantized  # noqa: E402
+
 from fw.forward_context import set_forward_context  # noqa: E402
 from fw.interfaces.attention import AttentionBatch  # noqa: E402
 from fw.model_loader import (  # noqa: E402
@@ -28,9 +31,7 @@ from fw.model_loader import (  # noqa: E402
 )
 from fw.models import specs  # noqa: E402
 from fw.models.base import HFConfig, ModelContext  # noqa: E402
-from fw.testing.models import ARCHITECTURES, make_tiny_model  # noqa: E402
-from fw_attention_torch.backend import TorchAttention  # noqa: E402
-from fw_quant_none.method import Unquantized  # noqa: E402
+from fw.testing.models import ARCHITECTURES, VOCAB_SIZE, make_tiny_model  # noqa: E402
 
 MODEL_CLASSES = {
     arch: spec.load()
@@ -223,8 +224,14 @@ def test_sliding_window_matches_transformers(checkpoint, arch, window, sliding_l
 
 ROPE_SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 10000.0,
+    },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
 }
 
@@ -236,10 +243,16 @@ def test_rope_scaling_matches_transformers(checkpoint, rope_type):
 
 
 def test_legacy_rope_config_reads_like_rope_parameters():
-    legacy = HFConfig({"rope_theta": 500000.0, "max_position_embeddings": 4096,
-                       "rope_scaling": {"type": "yarn", "factor": 4.0}})
-    assert legacy.rope_parameters() == {"type": "yarn", "factor": 4.0, "rope_type": "yarn", "rope_theta": 500000.0,
-                                        "original_max_position_embeddings": 4096}
+    legacy = HFConfig(
+        {"rope_theta": 500000.0, "max_position_embeddings": 4096, "rope_scaling": {"type": "yarn", "factor": 4.0}}
+    )
+    assert legacy.rope_parameters() == {
+        "type": "yarn",
+        "factor": 4.0,
+        "rope_type": "yarn",
+        "rope_theta": 500000.0,
+        "original_max_position_embeddings": 4096,
+    }
     assert HFConfig({}).rope_parameters() == {"rope_type": "default", "rope_theta": 10000.0}
 
 
@@ -307,13 +320,18 @@ def _tp_worker(rank: int, init_method: str, paths: list, out_file) -> None:
     torch.set_num_threads(1)
     init_tensor_parallel(TorchDistributed, rank, ParallelLayout(tensor_parallel_size=2), init_method, "cpu")
     try:
-        results = [generate(load_ours(path), torch.float32, prompts(), 3) for path in paths]
+        results = []
+        for path in paths:
+            model = load_ours(path)
+            assert model.lm_head.weight.shape[0] == VOCAB_SIZE // 2, "the vocabulary should be split over 2 ranks"
+            results.append(generate(model, torch.float32, prompts(), 3))
         if rank == 0:
             torch.save(results, out_file)
     finally:
         TorchDistributed.destroy_world()
 
 
+@pytest.mark.slow
 def test_tensor_parallel_2_matches_single_rank(checkpoint, tmp_path):
     """Two gloo ranks: heads, KV heads (replicated when fewer than ranks), MLP and expert widths, and the
     vocabulary are split; greedy tokens and logits must equal the single-rank run."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+
 import tomllib
 
 from conftest import REPO, run_fw
@@ -108,7 +109,7 @@ def test_broken_discovered_plugin_is_a_warning(fake_site):
     assert result.returncode == 1 and "No module named 'fw_no_such_module'" in result.stderr
 
 
-def test_selected_plugin_whose_implementation_fails_to_import_is_a_hard_error(fake_site, monkeypatch):
+def test_selected_plugin_whose_implementation_fails_to_import_is_a_hard_error(fake_site, monkeypatch, request):
     site = fake_site(
         "fw-sampler-badimpl",
         {"fw.sampler": {"badimpl": "badimpl_spec:SPEC"}},
@@ -119,6 +120,8 @@ def test_selected_plugin_whose_implementation_fails_to_import_is_a_hard_error(fa
 
     from fw import plugins
 
+    plugins.refresh()
+    request.addfinalizer(plugins.refresh)  # later tests must not see the fake plugin
     with pytest.raises(plugins.PluginError, match=r"failed to import badimpl_missing:Sampler: ModuleNotFoundError"):
         plugins.load_driver("sampler", "badimpl")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 
 import click
@@ -16,6 +17,7 @@ from fw_cli.options import config_options
 @click.version_option(__version__, prog_name="fw")
 def cli() -> None:
     """Flywheel: a plugin-based LLM inference engine."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
 
 # --- fw plugins ------------------------------------------------------------

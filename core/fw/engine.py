@@ -50,10 +50,10 @@ class LLMEngine:
             raise EngineError("no model given (--model PATH)")
         device = detect(config.model.device)
         hf_config = read_hf_config(config.model.model)
+        plugins.configure(config)
         result = check(config, device, hf_config)
         if not result.ok:
             raise EngineError(result.report())
-        plugins.configure(config)
         self.hook = plugins.get_plugin_manager().hook
         self.tokenizer = Tokenizer.from_dir(config.model.tokenizer or config.model.model, hf_config.get("eos_token_id"))
         self.max_model_len = config.model.max_model_len or hf_config.get("max_position_embeddings") or 2048
@@ -131,6 +131,7 @@ class LLMEngine:
 
     # --- the loop -----------------------------------------------------------
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         batch = self.scheduler.schedule()

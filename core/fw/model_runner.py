@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from fw import model_registry, plugins
+from fw import model_registry
 from fw.config import FwConfig
 from fw.forward_context import set_forward_context
 from fw.interfaces.attention import AttentionBatch

@@ -269,3 +269,11 @@ def configure(config: Any) -> None:
 
 def unconfigure(config: Any) -> None:
     get_plugin_manager().hook.fw_unconfigure(config=config)
+
+
+def refresh() -> None:
+    """Forget discovered entry points, e.g. after installing a plugin into the running process's environment."""
+    from stevedore import ExtensionManager
+
+    ExtensionManager.ENTRY_POINT_CACHE.clear()
+    get_plugin_manager.cache_clear()

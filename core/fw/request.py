@@ -58,11 +58,9 @@ class Request:
         if logprob is not None:
             self.output_logprobs.append(logprob)
         n = len(self.output_token_ids)
-        if n >= self.params.min_tokens:
-            if not self.params.ignore_eos and token == self.eos_token_id:
-                self.finish_reason = "stop"
-            elif token in self.params.stop_token_ids:
-                self.finish_reason = "stop"
+        stops = token in self.params.stop_token_ids or (not self.params.ignore_eos and token == self.eos_token_id)
+        if stops and n >= self.params.min_tokens:
+            self.finish_reason = "stop"
         if self.finish_reason is None and (
             (self.params.max_tokens is not None and n >= self.params.max_tokens) or self.num_tokens >= self.max_model_len
         ):

@@ -75,13 +75,9 @@ def model_requirements(config: FwConfig, device: DeviceInfo, hf_config: dict[str
     )
 
 
-def _problems(spec: plugins.PluginSpec, req: Requirements) -> list[str]:
-    return spec.capabilities.problems(req)
-
-
 def _fits(kind: str, req: Requirements) -> list[plugins.PluginSpec]:
     specs = {s.name: s for s in plugins.available(kind).values()}.values()
-    return sorted((s for s in specs if not _problems(s, req)), key=lambda s: (-s.priority, s.name))
+    return sorted((s for s in specs if not s.capabilities.problems(req)), key=lambda s: (-s.priority, s.name))
 
 
 def _resolve_slot(kind: str, name: str, req: Requirements, result: CheckResult) -> None:
@@ -90,7 +86,7 @@ def _resolve_slot(kind: str, name: str, req: Requirements, result: CheckResult) 
         if fitting:
             result.selected[kind] = fitting[0]
             return
-        reasons = [f"{s.name}: {'; '.join(_problems(s, req))}" for s in plugins.available(kind).values()]
+        reasons = [f"{s.name}: {'; '.join(s.capabilities.problems(req))}" for s in plugins.available(kind).values()]
         result.problems.append(f"no {kind} plugin can run this ({' | '.join(reasons) or 'none installed'})")
     else:
         try:
@@ -99,8 +95,8 @@ def _resolve_slot(kind: str, name: str, req: Requirements, result: CheckResult) 
             result.problems.append(str(exc))
         else:
             result.selected[kind] = spec
-            result.problems.extend(f"{kind} plugin {name!r} {p}" for p in _problems(spec, req))
-    if kind not in result.selected or _problems(result.selected[kind], req):
+            result.problems.extend(f"{kind} plugin {name!r} {p}" for p in spec.capabilities.problems(req))
+    if kind not in result.selected or result.selected[kind].capabilities.problems(req):
         result.alternatives[kind] = [s.name for s in _fits(kind, req)]
 
 

@@ -102,17 +102,40 @@ class LinearBase(nn.Module):
 class ReplicatedLinear(LinearBase):
     """The full matrix on every rank (MoE routers, small gates)."""
 
-    def __init__(self, input_size: int, output_size: int, *, bias: bool, quant: QuantMethod, prefix: str,
-                 params_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        quant: QuantMethod,
+        prefix: str,
+        params_dtype: torch.dtype,
+    ) -> None:
         super().__init__(input_size, [output_size], bias=bias, quant=quant, prefix=prefix, params_dtype=params_dtype)
 
 
 class ColumnParallelLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, *, bias: bool, quant: QuantMethod, prefix: str,
-                 params_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        quant: QuantMethod,
+        prefix: str,
+        params_dtype: torch.dtype,
+    ) -> None:
         tp_size = get_tp_group().world_size
-        super().__init__(input_size, [divide(output_size, tp_size, prefix)], bias=bias, quant=quant, prefix=prefix,
-                         params_dtype=params_dtype, output_is_parallel=True)
+        super().__init__(
+            input_size,
+            [divide(output_size, tp_size, prefix)],
+            bias=bias,
+            quant=quant,
+            prefix=prefix,
+            params_dtype=params_dtype,
+            output_is_parallel=True,
+        )
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -121,11 +144,26 @@ class MergedColumnParallelLinear(LinearBase):
     Checkpoint tensors are loaded with ``shard_id`` = their index in ``output_sizes``.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], *, bias: bool, quant: QuantMethod, prefix: str,
-                 params_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        *,
+        bias: bool,
+        quant: QuantMethod,
+        prefix: str,
+        params_dtype: torch.dtype,
+    ) -> None:
         tp_size = get_tp_group().world_size
-        super().__init__(input_size, [divide(s, tp_size, prefix) for s in output_sizes], bias=bias, quant=quant,
-                         prefix=prefix, params_dtype=params_dtype, output_is_parallel=True)
+        super().__init__(
+            input_size,
+            [divide(s, tp_size, prefix) for s in output_sizes],
+            bias=bias,
+            quant=quant,
+            prefix=prefix,
+            params_dtype=params_dtype,
+            output_is_parallel=True,
+        )
 
 
 class QKVParallelLinear(LinearBase):
@@ -135,8 +173,18 @@ class QKVParallelLinear(LinearBase):
     ``tp_size / num_kv_heads`` consecutive ranks.
     """
 
-    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int, *,
-                 bias: bool, quant: QuantMethod, prefix: str, params_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        *,
+        bias: bool,
+        quant: QuantMethod,
+        prefix: str,
+        params_dtype: torch.dtype,
+    ) -> None:
         tp = get_tp_group()
         num_heads = divide(total_num_heads, tp.world_size, f"{prefix} attention heads")
         if total_num_kv_heads >= tp.world_size:
@@ -146,17 +194,41 @@ class QKVParallelLinear(LinearBase):
             replicas = divide(tp.world_size, total_num_kv_heads, f"{prefix} ranks per KV head")
             num_kv_heads, kv_rank = 1, tp.rank // replicas
         q, kv = num_heads * head_size, num_kv_heads * head_size
-        super().__init__(hidden_size, [q, kv, kv], bias=bias, quant=quant, prefix=prefix, params_dtype=params_dtype,
-                         output_is_parallel=True, shard_ids=("q", "k", "v"), shard_ranks=[tp.rank, kv_rank, kv_rank])
+        super().__init__(
+            hidden_size,
+            [q, kv, kv],
+            bias=bias,
+            quant=quant,
+            prefix=prefix,
+            params_dtype=params_dtype,
+            output_is_parallel=True,
+            shard_ids=("q", "k", "v"),
+            shard_ranks=[tp.rank, kv_rank, kv_rank],
+        )
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
 
 
 class RowParallelLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, *, bias: bool, quant: QuantMethod, prefix: str,
-                 params_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool,
+        quant: QuantMethod,
+        prefix: str,
+        params_dtype: torch.dtype,
+    ) -> None:
         tp_size = get_tp_group().world_size
-        super().__init__(divide(input_size, tp_size, prefix), [output_size], bias=bias, quant=quant, prefix=prefix,
-                         params_dtype=params_dtype, input_is_parallel=True)
+        super().__init__(
+            divide(input_size, tp_size, prefix),
+            [output_size],
+            bias=bias,
+            quant=quant,
+            prefix=prefix,
+            params_dtype=params_dtype,
+            input_is_parallel=True,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.linear_method.apply(self, x)

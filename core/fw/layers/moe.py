@@ -23,8 +23,10 @@ from fw.layers.linear import divide
 from fw.layers.utils import check_shape
 
 # Per-expert checkpoint names: Qwen's gate_proj/up_proj/down_proj and Mixtral's w1/w3/w2.
-_EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)"
-                            r"\.weight$")
+_EXPERT_WEIGHT = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)"
+    r"\.weight$"
+)
 _SHARD = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
 
 
@@ -37,9 +39,7 @@ def expert_weight_target(name: str) -> tuple[str, tuple[int, str]] | None:
     return f"{m['prefix']}.{'w2' if shard == 'w2' else 'w13'}", (int(m["expert"]), shard)
 
 
-def select_experts(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all experts, keep the top k; renormalize them to sum to 1 where the architecture does."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = probs.topk(top_k, dim=-1)
@@ -94,8 +94,9 @@ class FusedMoE(nn.Module):
         self.renormalize = renormalize
         self.intermediate_per_rank = divide(intermediate_size, self.tp.world_size, f"{prefix} expert width")
         width = self.intermediate_per_rank
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * width, hidden_size, dtype=params_dtype),
-                                requires_grad=False)
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * width, hidden_size, dtype=params_dtype), requires_grad=False
+        )
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, width, dtype=params_dtype), requires_grad=False)
         self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
         self.w13.num_shards, self.w2.num_shards = 2 * num_experts, num_experts

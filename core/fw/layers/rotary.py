@@ -94,9 +94,7 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute rather than a buffer: model.to(dtype) must not round the frequencies.
         self.inv_freq, self.attention_scaling = compute_inv_freq(head_size, rope_parameters, max_position_embeddings)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, heads, head_size] and k [T, kv_heads, head_size] by their token's position."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)

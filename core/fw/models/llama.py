@@ -44,16 +44,28 @@ _FUSED = (
 class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one column-parallel matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool, hidden_act: str, ctx: ModelContext,
-                 prefix: str) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, *, bias: bool, hidden_act: str, ctx: ModelContext, prefix: str
+    ) -> None:
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"{prefix}: unsupported hidden_act {hidden_act!r} (only 'silu')")
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias,
-                                                       quant=ctx.quant, prefix=f"{prefix}.gate_up_proj",
-                                                       params_dtype=ctx.dtype)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, quant=ctx.quant,
-                                           prefix=f"{prefix}.down_proj", params_dtype=ctx.dtype)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size,
+            [intermediate_size] * 2,
+            bias=bias,
+            quant=ctx.quant,
+            prefix=f"{prefix}.gate_up_proj",
+            params_dtype=ctx.dtype,
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size,
+            hidden_size,
+            bias=bias,
+            quant=ctx.quant,
+            prefix=f"{prefix}.down_proj",
+            params_dtype=ctx.dtype,
+        )
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,24 +73,54 @@ class GatedMLP(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: HFConfig, ctx: ModelContext, rotary: RotaryEmbedding, *, layer_idx: int,
-                 sliding_window: int | None, qkv_bias: bool, o_bias: bool, qk_norm: bool, prefix: str) -> None:
+    def __init__(
+        self,
+        config: HFConfig,
+        ctx: ModelContext,
+        rotary: RotaryEmbedding,
+        *,
+        layer_idx: int,
+        sliding_window: int | None,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        prefix: str,
+    ) -> None:
         super().__init__()
         head_dim = config.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_kv_heads, bias=qkv_bias, quant=ctx.quant,
-                                          prefix=f"{prefix}.qkv_proj", params_dtype=ctx.dtype)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_kv_heads,
+            bias=qkv_bias,
+            quant=ctx.quant,
+            prefix=f"{prefix}.qkv_proj",
+            params_dtype=ctx.dtype,
+        )
         num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.split = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         self.head_dim = head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, bias=o_bias,
-                                        quant=ctx.quant, prefix=f"{prefix}.o_proj", params_dtype=ctx.dtype)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim,
+            config.hidden_size,
+            bias=o_bias,
+            quant=ctx.quant,
+            prefix=f"{prefix}.o_proj",
+            params_dtype=ctx.dtype,
+        )
         eps = config.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(head_dim, eps, params_dtype=ctx.dtype) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps, params_dtype=ctx.dtype) if qk_norm else None
         self.rotary = rotary
-        spec = AttentionLayerSpec(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_dim,
-                                  scale=head_dim**-0.5, sliding_window=sliding_window, layer_idx=layer_idx)
+        spec = AttentionLayerSpec(
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_size=head_dim,
+            scale=head_dim**-0.5,
+            sliding_window=sliding_window,
+            layer_idx=layer_idx,
+        )
         self.attn = Attention(spec, ctx.attention)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -147,8 +189,14 @@ class LlamaForCausalLM(nn.Module):
         return config.get("sliding_window")
 
     def make_mlp(self, config: HFConfig, ctx: ModelContext, layer_idx: int, prefix: str) -> nn.Module:
-        return GatedMLP(config.hidden_size, config.intermediate_size, bias=config.get("mlp_bias", False),
-                        hidden_act=config.get("hidden_act", "silu"), ctx=ctx, prefix=prefix)
+        return GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            bias=config.get("mlp_bias", False),
+            hidden_act=config.get("hidden_act", "silu"),
+            ctx=ctx,
+            prefix=prefix,
+        )
 
     def __init__(self, config: HFConfig, ctx: ModelContext) -> None:
         super().__init__()
@@ -159,8 +207,17 @@ class LlamaForCausalLM(nn.Module):
         layers = []
         for i in range(self.num_layers):
             prefix = f"model.layers.{i}"
-            attn = SelfAttention(config, ctx, rotary, layer_idx=i, sliding_window=self.sliding_window(config, i),
-                                 qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm, prefix=f"{prefix}.self_attn")
+            attn = SelfAttention(
+                config,
+                ctx,
+                rotary,
+                layer_idx=i,
+                sliding_window=self.sliding_window(config, i),
+                qkv_bias=qkv_bias,
+                o_bias=o_bias,
+                qk_norm=self.qk_norm,
+                prefix=f"{prefix}.self_attn",
+            )
             layers.append(DecoderLayer(attn, self.make_mlp(config, ctx, i, f"{prefix}.mlp"), config, ctx))
         self.model = DecoderModel(layers, config, ctx)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=ctx.dtype)

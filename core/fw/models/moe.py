@@ -18,23 +18,43 @@ from fw.models.llama import GatedMLP, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3F
 class SparseMoeBlock(nn.Module):
     """Router + routed experts, plus (Qwen2-MoE) a sigmoid-gated shared expert every token goes through."""
 
-    def __init__(self, config: HFConfig, ctx: ModelContext, prefix: str, *, num_experts: int, top_k: int,
-                 intermediate_size: int, renormalize: bool, shared_expert_size: int = 0) -> None:
+    def __init__(
+        self,
+        config: HFConfig,
+        ctx: ModelContext,
+        prefix: str,
+        *,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        shared_expert_size: int = 0,
+    ) -> None:
         super().__init__()
         hidden_act = config.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"{prefix}: unsupported hidden_act {hidden_act!r} (only 'silu')")
         hidden = config.hidden_size
-        self.gate = ReplicatedLinear(hidden, num_experts, bias=False, quant=ctx.quant, prefix=f"{prefix}.gate",
-                                     params_dtype=ctx.dtype)
-        self.experts = FusedMoE(num_experts, top_k, hidden, intermediate_size, renormalize=renormalize,
-                                params_dtype=ctx.dtype, prefix=f"{prefix}.experts")
+        self.gate = ReplicatedLinear(
+            hidden, num_experts, bias=False, quant=ctx.quant, prefix=f"{prefix}.gate", params_dtype=ctx.dtype
+        )
+        self.experts = FusedMoE(
+            num_experts,
+            top_k,
+            hidden,
+            intermediate_size,
+            renormalize=renormalize,
+            params_dtype=ctx.dtype,
+            prefix=f"{prefix}.experts",
+        )
         self.shared_expert = self.shared_expert_gate = None
         if shared_expert_size:
-            self.shared_expert = GatedMLP(hidden, shared_expert_size, bias=False, hidden_act=hidden_act, ctx=ctx,
-                                          prefix=f"{prefix}.shared_expert")
-            self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False, quant=ctx.quant,
-                                                       prefix=f"{prefix}.shared_expert_gate", params_dtype=ctx.dtype)
+            self.shared_expert = GatedMLP(
+                hidden, shared_expert_size, bias=False, hidden_act=hidden_act, ctx=ctx, prefix=f"{prefix}.shared_expert"
+            )
+            self.shared_expert_gate = ReplicatedLinear(
+                hidden, 1, bias=False, quant=ctx.quant, prefix=f"{prefix}.shared_expert_gate", params_dtype=ctx.dtype
+            )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.experts(hidden, self.gate(hidden))
@@ -47,13 +67,20 @@ class MixtralForCausalLM(LlamaForCausalLM):
     checkpoint_renames = ((".block_sparse_moe.", ".mlp."),)
 
     def make_mlp(self, config: HFConfig, ctx: ModelContext, layer_idx: int, prefix: str) -> nn.Module:
-        return SparseMoeBlock(config, ctx, prefix, num_experts=config.num_experts,
-                              top_k=config.num_experts_per_tok, intermediate_size=config.intermediate_size,
-                              renormalize=True)
+        return SparseMoeBlock(
+            config,
+            ctx,
+            prefix,
+            num_experts=config.num_experts,
+            top_k=config.num_experts_per_tok,
+            intermediate_size=config.intermediate_size,
+            renormalize=True,
+        )
 
 
-def qwen_moe_mlp(config: HFConfig, ctx: ModelContext, layer_idx: int, prefix: str,
-                 shared_expert_size: int) -> nn.Module:
+def qwen_moe_mlp(
+    config: HFConfig, ctx: ModelContext, layer_idx: int, prefix: str, shared_expert_size: int
+) -> nn.Module:
     """Experts on every ``decoder_sparse_step``-th layer not listed in ``mlp_only_layers``; a dense MLP elsewhere."""
     num_experts = config.num_experts
     sparse = (
@@ -62,11 +89,24 @@ def qwen_moe_mlp(config: HFConfig, ctx: ModelContext, layer_idx: int, prefix: st
         and (layer_idx + 1) % config.get("decoder_sparse_step", 1) == 0
     )
     if not sparse:
-        return GatedMLP(config.hidden_size, config.intermediate_size, bias=False,
-                        hidden_act=config.get("hidden_act", "silu"), ctx=ctx, prefix=prefix)
-    return SparseMoeBlock(config, ctx, prefix, num_experts=num_experts, top_k=config.num_experts_per_tok,
-                          intermediate_size=config.moe_intermediate_size,
-                          renormalize=config.get("norm_topk_prob", False), shared_expert_size=shared_expert_size)
+        return GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            bias=False,
+            hidden_act=config.get("hidden_act", "silu"),
+            ctx=ctx,
+            prefix=prefix,
+        )
+    return SparseMoeBlock(
+        config,
+        ctx,
+        prefix,
+        num_experts=num_experts,
+        top_k=config.num_experts_per_tok,
+        intermediate_size=config.moe_intermediate_size,
+        renormalize=config.get("norm_topk_prob", False),
+        shared_expert_size=shared_expert_size,
+    )
 
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
@@ -75,8 +115,9 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
 
     def sliding_window(self, config: HFConfig, layer_idx: int) -> int | None:
         # Qwen2-MoE's own rule: even-indexed layers below max_window_layers.
-        return qwen_sliding_window(config, layer_idx,
-                                   layer_idx % 2 == 0 and layer_idx < config.get("max_window_layers", 28))
+        return qwen_sliding_window(
+            config, layer_idx, layer_idx % 2 == 0 and layer_idx < config.get("max_window_layers", 28)
+        )
 
     def make_mlp(self, config: HFConfig, ctx: ModelContext, layer_idx: int, prefix: str) -> nn.Module:
         return qwen_moe_mlp(config, ctx, layer_idx, prefix, config.get("shared_expert_intermediate_size", 0))

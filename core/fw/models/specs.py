@@ -22,13 +22,30 @@ LLAMA = _spec(
     frozen("LlamaForCausalLM", "MistralForCausalLM"),
     "Llama 2/3 and Mistral decoders (RoPE scaling: linear, llama3, yarn; Mistral sliding window).",
 )
-QWEN2 = _spec("qwen2", "fw.models.llama:Qwen2ForCausalLM", frozen("Qwen2ForCausalLM"),
-              "Qwen2 / Qwen2.5 decoders (q/k/v bias, optional sliding window).")
-QWEN3 = _spec("qwen3", "fw.models.llama:Qwen3ForCausalLM", frozen("Qwen3ForCausalLM"),
-              "Qwen3 decoders (per-head q/k RMSNorm).")
-MIXTRAL = _spec("mixtral", "fw.models.moe:MixtralForCausalLM", frozen("MixtralForCausalLM"),
-                "Mixtral sparse mixture of experts (top-k renormalized routing).")
-QWEN2_MOE = _spec("qwen2_moe", "fw.models.moe:Qwen2MoeForCausalLM", frozen("Qwen2MoeForCausalLM"),
-                  "Qwen1.5/Qwen2 MoE (routed experts plus a sigmoid-gated shared expert).")
-QWEN3_MOE = _spec("qwen3_moe", "fw.models.moe:Qwen3MoeForCausalLM", frozen("Qwen3MoeForCausalLM"),
-                  "Qwen3 MoE (q/k RMSNorm, norm_topk_prob routing).")
+QWEN2 = _spec(
+    "qwen2",
+    "fw.models.llama:Qwen2ForCausalLM",
+    frozen("Qwen2ForCausalLM"),
+    "Qwen2 / Qwen2.5 decoders (q/k/v bias, optional sliding window).",
+)
+QWEN3 = _spec(
+    "qwen3", "fw.models.llama:Qwen3ForCausalLM", frozen("Qwen3ForCausalLM"), "Qwen3 decoders (per-head q/k RMSNorm)."
+)
+MIXTRAL = _spec(
+    "mixtral",
+    "fw.models.moe:MixtralForCausalLM",
+    frozen("MixtralForCausalLM"),
+    "Mixtral sparse mixture of experts (top-k renormalized routing).",
+)
+QWEN2_MOE = _spec(
+    "qwen2_moe",
+    "fw.models.moe:Qwen2MoeForCausalLM",
+    frozen("Qwen2MoeForCausalLM"),
+    "Qwen1.5/Qwen2 MoE (routed experts plus a sigmoid-gated shared expert).",
+)
+QWEN3_MOE = _spec(
+    "qwen3_moe",
+    "fw.models.moe:Qwen3MoeForCausalLM",
+    frozen("Qwen3MoeForCausalLM"),
+    "Qwen3 MoE (q/k RMSNorm, norm_topk_prob routing).",
+)

@@ -58,7 +58,9 @@ class PluginConformance:
     def device(self) -> str:
         usable = [d for d in _host_devices() if d in self.spec.capabilities.devices]
         if not usable:
-            pytest.skip(f"{self.kind} plugin {self.plugin!r} needs {sorted(self.spec.capabilities.devices)}; this host has none")
+            pytest.skip(
+                f"{self.kind} plugin {self.plugin!r} needs {sorted(self.spec.capabilities.devices)}; this host has none"
+            )
         missing = [m for m in self.spec.capabilities.requires_modules if not _importable(m)]
         if missing:
             pytest.skip(f"{self.kind} plugin {self.plugin!r} needs {', '.join(missing)}, not installed here")
@@ -130,14 +132,19 @@ class AttentionConformance(PluginConformance):
         heads, kv_heads, block = 4, 2, 16
         layer = attention.AttentionLayerSpec(heads, kv_heads, self.head_size, self.head_size**-0.5, sliding_window)
         num_blocks = 16
-        cache = torch.zeros(backend.kv_cache_shape(num_blocks, block, kv_heads, self.head_size), dtype=dtype, device=device)
+        cache = torch.zeros(
+            backend.kv_cache_shape(num_blocks, block, kv_heads, self.head_size), dtype=dtype, device=device
+        )
         # (cached context, new tokens): a chunk continuing a prompt, a fresh prompt, a decode.
         shapes = [(20, 5), (0, 9), (30, 1)]
         perm = torch.randperm(num_blocks, generator=gen).tolist()
         tables = [perm[0:2], perm[2:3], perm[3:5]]
         total = [c + n for c, n in shapes]
         qkv = [
-            tuple(torch.randn(s, h, self.head_size, generator=gen, dtype=torch.float32) for h in (heads, kv_heads, kv_heads))
+            tuple(
+                torch.randn(s, h, self.head_size, generator=gen, dtype=torch.float32)
+                for h in (heads, kv_heads, kv_heads)
+            )
             for s in total
         ]
 
@@ -181,7 +188,7 @@ class QuantConformance(PluginConformance):
         for name, param in params.items():
             assert hasattr(param, "output_dim") and hasattr(param, "input_dim"), name
         weight = torch.randn(24, 32)
-        getattr(layer, "weight").data.copy_(weight)
+        layer.weight.data.copy_(weight)
         method.process_weights_after_loading(layer)
         x = torch.randn(3, 32)
         torch.testing.assert_close(method.apply(layer, x), x @ weight.T)

@@ -78,15 +78,29 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     # Three layers: MoE, dense (mlp_only_layers), MoE.
     "Qwen2MoeForCausalLM": (
         "Qwen2MoeConfig",
-        {"num_hidden_layers": 3, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-         "shared_expert_intermediate_size": 64, "intermediate_size": 96, "mlp_only_layers": [1],
-         "norm_topk_prob": False},
+        {
+            "num_hidden_layers": 3,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+            "intermediate_size": 96,
+            "mlp_only_layers": [1],
+            "norm_topk_prob": False,
+        },
     ),
     # Four layers with decoder_sparse_step 2: dense, MoE, dense, MoE.
     "Qwen3MoeForCausalLM": (
         "Qwen3MoeConfig",
-        {"num_hidden_layers": 4, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
-         "moe_intermediate_size": 32, "decoder_sparse_step": 2, "norm_topk_prob": True},
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "decoder_sparse_step": 2,
+            "norm_topk_prob": True,
+        },
     ),
 }
 
@@ -151,6 +165,9 @@ def make_tiny_model(
     kwargs = {**_COMMON, **settings, **overrides}
     if tie_word_embeddings is not None:
         kwargs["tie_word_embeddings"] = tie_word_embeddings
+    tokenizer_size = len(json.loads(_tokenizer_json())["model"]["vocab"])
+    if kwargs["vocab_size"] < tokenizer_size:
+        raise ValueError(f"vocab_size {kwargs['vocab_size']} does not cover the tokenizer's {tokenizer_size} tokens")
     config = getattr(transformers, config_name)(**kwargs)
     config.architectures = [arch]
     torch_dtype = getattr(torch, dtype)
@@ -169,6 +186,4 @@ def make_tiny_model(
     path = Path(path)
     model.save_pretrained(path, max_shard_size="200KB" if sharded else "50GB")
     write_tokenizer(path)
-    tokenizer_vocab = json.loads(_tokenizer_json())["model"]["vocab"]
-    assert len(tokenizer_vocab) <= config.vocab_size, "the config's vocabulary must cover the tokenizer"
     return path

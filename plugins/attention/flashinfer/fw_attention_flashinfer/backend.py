@@ -77,20 +77,24 @@ class FlashInferAttention(AttentionBackend):
         if self._workspace is None:
             self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         bs = batch.block_size
+        qsl = batch.query_start_loc_cpu
+        # Requests with no new tokens (a step may carry them) produce no rows; FlashInfer is given
+        # only the others, which leaves every row offset unchanged.
+        active = [i for i in range(batch.num_reqs) if qsl[i + 1] > qsl[i]]
         # Everything but the page ids is built from the host copies: plan() needs them on the host anyway.
-        seq_lens = torch.tensor(batch.seq_lens_cpu, dtype=torch.int32)
+        seq_lens = torch.tensor([batch.seq_lens_cpu[i] for i in active], dtype=torch.int32)
         num_pages = (seq_lens + bs - 1) // bs
-        kv_indptr = torch.zeros(batch.num_reqs + 1, dtype=torch.int32)
+        kv_indptr = torch.zeros(len(active) + 1, dtype=torch.int32)
         torch.cumsum(num_pages, 0, out=kv_indptr[1:])
         # Each used page's position in the flattened block table, so the page ids are gathered on the
         # device without reading the block table back (a sync).
         width = batch.block_tables.shape[1]
-        rows = torch.repeat_interleave(torch.arange(batch.num_reqs), num_pages)
+        rows = torch.repeat_interleave(torch.tensor(active, dtype=torch.int64), num_pages)
         cols = torch.arange(int(kv_indptr[-1])) - kv_indptr[:-1].repeat_interleave(num_pages)
         flat = (rows * width + cols).to(device, non_blocking=True)
         return FlashInferMetadata(
             slot_mapping=batch.slot_mapping,
-            qo_indptr=torch.tensor(batch.query_start_loc_cpu, dtype=torch.int32),
+            qo_indptr=torch.tensor([0] + [qsl[i + 1] for i in active], dtype=torch.int32),
             kv_indptr=kv_indptr,
             kv_indices=batch.block_tables.reshape(-1)[flat].to(torch.int32),
             kv_last_page_len=seq_lens - (num_pages - 1) * bs,

@@ -2,12 +2,18 @@
 
 Per step, ``prepare`` turns each request's block table into the cache slots
 of its keys, in position order. Per layer, ``forward`` scatters the new K/V
-into the cache at ``slot_mapping``, then for each request gathers its keys
-and values and runs ``scaled_dot_product_attention``. Query ``j`` of a
-request with ``seq_len`` S and ``query_len`` Q sits at position ``S - Q + j``
-and sees keys up to its own position (and, with a sliding window W, only the
-last W of them). That one rule covers fresh prefill, chunked prefill against
-cached context, and decode.
+into the cache at ``slot_mapping`` and then attends:
+
+- requests with several new tokens (prefill, or a prefill chunk on top of
+  cached context) one at a time with ``scaled_dot_product_attention``;
+- all one-token requests (decode) together, in one batched product over
+  their keys padded to the longest; per-request calls would cost more in
+  call overhead than in arithmetic.
+
+Query ``j`` of a request with ``seq_len`` S and ``query_len`` Q sits at
+position ``S - Q + j`` and sees the keys up to its own position (with a
+sliding window W, only the last W of them). That one rule covers fresh
+prefill, chunked prefill against cached context, and decode.
 """
 
 from __future__ import annotations
@@ -21,51 +27,87 @@ from fw.interfaces.attention import AttentionBackend, AttentionBatch, AttentionL
 
 
 @dataclass
-class _Request:
+class _Prefill:
     queries: slice  # its rows of the flattened batch
     key_slots: torch.Tensor  # [seq_len] int64: the cache slot of each position
     first_query_pos: int
 
 
 @dataclass
+class _Decodes:
+    rows: torch.Tensor  # [D] each decode request's query row
+    key_slots: torch.Tensor  # [D, max_len] cache slots, padded with slots of block 0 (masked out)
+    seq_lens: torch.Tensor  # [D, 1]
+
+
+@dataclass
 class TorchAttentionMetadata:
     batch: AttentionBatch
-    requests: list[_Request]
-    # (request index, sliding window) -> (first visible key, mask or None); layers share them within a step.
-    _visible: dict[tuple[int, int | None], tuple[int, torch.Tensor | None]] = field(default_factory=dict)
+    prefills: list[_Prefill]
+    decodes: _Decodes | None
+    # Masks depend on the layer only through its sliding window: built once per step and window.
+    _masks: dict[tuple[int, int | None], tuple[int, torch.Tensor | None]] = field(default_factory=dict)
 
-    def visible_keys(self, i: int, sliding_window: int | None) -> tuple[int, torch.Tensor | None]:
-        """The first key position any query of request ``i`` may see, and the [Q, keys] boolean mask
-        (None when every query sees every remaining key, as in decode)."""
-        cached = self._visible.get((i, sliding_window))
-        if cached is None:
-            req = self.requests[i]
+    def prefill_mask(self, i: int, sliding_window: int | None) -> tuple[int, torch.Tensor | None]:
+        """The first key position any query of prefill ``i`` sees, and the [Q, keys] boolean mask."""
+        key = (i, sliding_window)
+        if key not in self._masks:
+            req = self.prefills[i]
             seq_len = req.key_slots.shape[0]
             first_key = 0 if sliding_window is None else max(0, req.first_query_pos - sliding_window + 1)
-            mask = None
-            if seq_len - req.first_query_pos > 1:
-                device = req.key_slots.device
-                q_pos = torch.arange(req.first_query_pos, seq_len, device=device)[:, None]
-                k_pos = torch.arange(first_key, seq_len, device=device)[None, :]
-                mask = k_pos <= q_pos
-                if sliding_window is not None:
-                    mask &= k_pos > q_pos - sliding_window
-            cached = self._visible[(i, sliding_window)] = (first_key, mask)
-        return cached
+            device = req.key_slots.device
+            q_pos = torch.arange(req.first_query_pos, seq_len, device=device)[:, None]
+            k_pos = torch.arange(first_key, seq_len, device=device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+            self._masks[key] = (first_key, mask)
+        return self._masks[key]
+
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[D, max_len] boolean: which padded key columns each decode request sees."""
+        key = (-1, sliding_window)
+        if key not in self._masks:
+            seq_lens = self.decodes.seq_lens
+            k_pos = torch.arange(self.decodes.key_slots.shape[1], device=seq_lens.device)[None, :]
+            mask = k_pos < seq_lens
+            if sliding_window is not None:
+                mask &= k_pos >= seq_lens - sliding_window
+            self._masks[key] = (0, mask)
+        return self._masks[key][1]
 
 
 class TorchAttention(AttentionBackend):
     def prepare(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         block_size = batch.block_size
-        offsets = torch.arange(block_size, device=batch.block_tables.device)
-        requests = []
+        device = batch.block_tables.device
+        offsets = torch.arange(block_size, device=device)
+        starts, seq_lens = batch.query_start_loc_cpu, batch.seq_lens_cpu
+
+        def slots(i: int, length: int) -> torch.Tensor:
+            blocks = batch.block_tables[i, : -(-length // block_size)].long()
+            return (blocks[:, None] * block_size + offsets).flatten()[:length]
+
+        prefills, decode_reqs = [], []
         for i in range(batch.num_reqs):
-            start, end = batch.query_start_loc_cpu[i], batch.query_start_loc_cpu[i + 1]
-            seq_len = batch.seq_lens_cpu[i]
-            blocks = batch.block_tables[i, : -(-seq_len // block_size)].long()
-            slots = (blocks[:, None] * block_size + offsets).flatten()[:seq_len]
-            requests.append(_Request(slice(start, end), slots, seq_len - (end - start)))
-        return TorchAttentionMetadata(batch, requests)
+            query_len = starts[i + 1] - starts[i]
+            if query_len == 1:
+                decode_reqs.append(i)
+            else:
+                prefills.append(
+                    _Prefill(slice(starts[i], starts[i + 1]), slots(i, seq_lens[i]), seq_lens[i] - query_len)
+                )
+        decodes = None
+        if decode_reqs:
+            max_len = max(seq_lens[i] for i in decode_reqs)
+            # Block-table padding is block 0, so padded columns read real (masked) cache slots.
+            padded = [F.pad(slots(i, seq_lens[i]), (0, max_len - seq_lens[i])) for i in decode_reqs]
+            decodes = _Decodes(
+                rows=torch.tensor([starts[i] for i in decode_reqs], device=device),
+                key_slots=torch.stack(padded),
+                seq_lens=torch.tensor([[seq_lens[i]] for i in decode_reqs], device=device),
+            )
+        return TorchAttentionMetadata(batch, prefills, decodes)
 
     def forward(
         self,
@@ -84,8 +126,8 @@ class TorchAttention(AttentionBackend):
 
         out = torch.empty_like(q)
         gqa = layer.num_heads != layer.num_kv_heads
-        for i, req in enumerate(metadata.requests):
-            first_key, mask = metadata.visible_keys(i, layer.sliding_window)
+        for i, req in enumerate(metadata.prefills):
+            first_key, mask = metadata.prefill_mask(i, layer.sliding_window)
             slots = req.key_slots[first_key:]
             # [heads, tokens, head_size], the layout sdpa expects.
             keys = key_cache[slots].transpose(0, 1)
@@ -94,4 +136,30 @@ class TorchAttention(AttentionBackend):
                 q[req.queries].transpose(0, 1), keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=gqa
             )
             out[req.queries] = attn.transpose(0, 1)
+        if metadata.decodes is not None:
+            decodes = metadata.decodes
+            out[decodes.rows] = self._decode(
+                layer,
+                q[decodes.rows],
+                key_cache[decodes.key_slots],
+                value_cache[decodes.key_slots],
+                metadata.decode_mask(layer.sliding_window),
+            )
         return out
+
+    @staticmethod
+    def _decode(
+        layer: AttentionLayerSpec,
+        q: torch.Tensor,  # [D, heads, head_size]
+        keys: torch.Tensor,  # [D, max_len, kv_heads, head_size]
+        values: torch.Tensor,  # [D, max_len, kv_heads, head_size]
+        mask: torch.Tensor,  # [D, max_len]
+    ) -> torch.Tensor:
+        """One query per request against its padded keys, in float32 for accuracy."""
+        num_reqs, kv_heads = q.shape[0], layer.num_kv_heads
+        # Query head h reads KV head h // group, so consecutive query heads share one KV head.
+        grouped = q.view(num_reqs, kv_heads, -1, layer.head_size).float()
+        scores = grouped @ keys.permute(0, 2, 3, 1).float() * layer.scale  # [D, kv_heads, group, max_len]
+        scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+        out = scores.softmax(dim=-1) @ values.transpose(1, 2).float()  # [D, kv_heads, group, head_size]
+        return out.view(num_reqs, layer.num_heads, layer.head_size).to(q.dtype)
