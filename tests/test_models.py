@@ -8,20 +8,18 @@ sequence without a cache.
 
 from __future__ import annotations
 
+import importlib.util
 import random
 import shutil
 
 import pytest
 import torch
+from fw_attention_torch.backend import TorchAttention
+from fw_quant_none.method import Unquantized
 
-transformers = pytest.importorskip("transformers")
-
-from fw_attention_torch.backend import TorchAttention  # noqa: E402
-from fw_quant_none.method import Unquantized  # noqa: E402
-
-from fw.forward_context import set_forward_context  # noqa: E402
-from fw.interfaces.attention import AttentionBatch  # noqa: E402
-from fw.model_loader import (  # noqa: E402
+from fw.forward_context import set_forward_context
+from fw.interfaces.attention import AttentionBatch
+from fw.model_loader import (
     CheckpointNotFoundError,
     MissingWeightsError,
     ModelLoadError,
@@ -29,9 +27,15 @@ from fw.model_loader import (  # noqa: E402
     load_model,
     resolve_dtype,
 )
-from fw.models import specs  # noqa: E402
-from fw.models.base import HFConfig, ModelContext  # noqa: E402
-from fw.testing.models import ARCHITECTURES, VOCAB_SIZE, make_tiny_model  # noqa: E402
+from fw.models import specs
+from fw.models.base import HFConfig, ModelContext
+from fw.testing.models import ARCHITECTURES, VOCAB_SIZE, make_tiny_model
+
+# transformers is imported only where a reference is needed, so that the tensor-parallel worker
+# processes, which import this module, start fast.
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="the parity tests need transformers"
+)
 
 MODEL_CLASSES = {
     arch: spec.load()
@@ -61,8 +65,13 @@ class PagedRunner:
         self.model = model
         self.backend = TorchAttention()
         self.block_size = block_size
+        # NaN-filled, so that attending to any slot never written turns the logits into NaN.
         self.caches = [
-            torch.zeros(self.backend.kv_cache_shape(num_blocks, block_size, s.num_kv_heads, s.head_size), dtype=dtype)
+            torch.full(
+                self.backend.kv_cache_shape(num_blocks, block_size, s.num_kv_heads, s.head_size),
+                float("nan"),
+                dtype=dtype,
+            )
             for s in model.attention_specs()
         ]
         # Block 0 only pads block tables; the others are handed out in shuffled order.
@@ -99,6 +108,8 @@ def load_ours(path, dtype=torch.float32):
 
 
 def load_reference(path, dtype=torch.float32):
+    import transformers
+
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 

@@ -60,7 +60,7 @@ def fused_experts(
     The (token, choice) pairs are sorted by expert so that each expert with
     work runs one pair of matmuls over all of its tokens.
     """
-    num_tokens, top_k = topk_ids.shape
+    top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     order = flat_ids.argsort(stable=True)
     token_of = order // top_k

@@ -172,7 +172,6 @@ def make_tiny_model(
     config.architectures = [arch]
     torch_dtype = getattr(torch, dtype)
 
-    torch.manual_seed(seed)
     model = getattr(transformers, arch)(config)
     # Our own init instead of transformers': reproducible across its versions, norm weights away from 1 and
     # routers away from 0, so that a misplaced tensor cannot go unnoticed.

@@ -36,7 +36,7 @@ class _Prefill:
 @dataclass
 class _Decodes:
     rows: torch.Tensor  # [D] each decode request's query row
-    key_slots: torch.Tensor  # [D, max_len] cache slots, padded with slots of block 0 (masked out)
+    key_slots: torch.Tensor  # [D, max_len] cache slots, padded (masked out)
     seq_lens: torch.Tensor  # [D, 1]
 
 
@@ -100,8 +100,12 @@ class TorchAttention(AttentionBackend):
         decodes = None
         if decode_reqs:
             max_len = max(seq_lens[i] for i in decode_reqs)
-            # Block-table padding is block 0, so padded columns read real (masked) cache slots.
-            padded = [F.pad(slots(i, seq_lens[i]), (0, max_len - seq_lens[i])) for i in decode_reqs]
+            # Padded columns repeat the request's first key: masked out, but never unwritten (NaN) cache memory,
+            # which would poison the probabilities-times-values product.
+            padded = []
+            for i in decode_reqs:
+                own = slots(i, seq_lens[i])
+                padded.append(torch.cat([own, own[:1].expand(max_len - seq_lens[i])]))
             decodes = _Decodes(
                 rows=torch.tensor([starts[i] for i in decode_reqs], device=device),
                 key_slots=torch.stack(padded),
