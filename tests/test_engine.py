@@ -10,7 +10,6 @@ import torch
 from fw import LLM, SamplingParams
 from fw.engine import EngineError
 from fw.model_loader import ModelLoadError
-from fw.model_registry import ModelError
 from fw.testing.models import ARCHITECTURES, make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -95,12 +94,9 @@ def test_prefix_cache_schedules_only_the_suffix(models):
     prefix = [(i * 7) % 500 + 3 for i in range(512)]
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate(prefix + [5, 6, 7], one)
-    scheduled = []
-    engine.hook.fw_step_stats  # noqa: B018 - the hook exists
     engine.add_request(prefix + [9, 10, 11, 12, 13], one)
     batch = engine.scheduler.schedule()
-    scheduled = batch.num_new
-    assert scheduled == [5] and batch.prefix_hit_tokens == 512
+    assert batch.num_new == [5] and batch.prefix_hit_tokens == 512
     assert engine.kv.prefix_cache_hits == 512
     assert engine.kv.prefix_cache_hit_rate() == pytest.approx(512 / (515 + 517))
 
@@ -144,7 +140,7 @@ def test_bad_inputs_fail_with_named_problems(models, tmp_path):
         (empty / f).write_text((models["LlamaForCausalLM"] / f).read_text())
     with pytest.raises(ModelLoadError, match="safetensors"):
         LLM(empty, num_kv_blocks=64)
-    with pytest.raises(ModelError, match="does not exist"):
+    with pytest.raises(EngineError, match="does not exist"):
         LLM(tmp_path / "nowhere")
     with pytest.raises(TypeError, match="unknown argument"):
         LLM(models["LlamaForCausalLM"], max_num_seqz=3)

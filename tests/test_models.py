@@ -8,7 +8,6 @@ sequence without a cache.
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import shutil
 
@@ -33,9 +32,6 @@ from fw.testing.models import ARCHITECTURES, VOCAB_SIZE, make_tiny_model
 
 # transformers is imported only where a reference is needed, so that the tensor-parallel worker
 # processes, which import this module, start fast.
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None, reason="the parity tests need transformers"
-)
 
 MODEL_CLASSES = {
     arch: spec.load()

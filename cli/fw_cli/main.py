@@ -114,20 +114,12 @@ def plugins_show(name: str, kind: str | None) -> None:
 @config_options()
 def plugins_check(resolved: ResolvedConfig) -> None:
     """Check that the chosen plugins can run the model on the device; list every problem."""
-    from fw.model_registry import ModelError, read_hf_config
-    from fw.validate import check
+    from fw.validate import check, check_model
 
     config = resolved.config
     plugins.configure(config)
-    hf_config = None
-    problems = []
-    if config.model.model:
-        try:
-            hf_config = read_hf_config(config.model.model)
-        except ModelError as exc:
-            problems.append(str(exc))
-    result = check(config, hf_config=hf_config)
-    result.problems[:0] = problems
+    # Without --model only the plugins are checked; with it, the model's needs too.
+    result = check_model(config).result if config.model.model else check(config)
     if not result.ok:
         click.echo(result.report(), err=True)
         sys.exit(1)

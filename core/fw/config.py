@@ -269,11 +269,16 @@ class ResolvedConfig:
     sources: dict[str, str]  # leaf path -> "default" | file path | "env FW_..." | "--flag"
 
     def source(self, path: str) -> str:
-        while path:
-            if path in self.sources:
-                return self.sources[path]
-            path = path.rpartition(".")[0]
-        return "default"
+        return _source_of(self.sources, path)
+
+
+def _source_of(sources: dict[str, str], path: str) -> str:
+    """The source of ``path`` or of the nearest parent set as a whole."""
+    while path:
+        if path in sources:
+            return sources[path]
+        path = path.rpartition(".")[0]
+    return "default"
 
 
 def _env_name(path: str) -> str:
@@ -312,7 +317,7 @@ def _format_errors(exc: ValidationError, merged: dict[str, Any], sources: dict[s
     lines = ["invalid configuration:"]
     for err in exc.errors():
         path = ".".join(str(p) for p in err["loc"])
-        where = ResolvedConfig(None, sources).source(path)  # type: ignore[arg-type]
+        where = _source_of(sources, path)
         value = merged
         for part in err["loc"]:
             value = value.get(part) if isinstance(value, dict) else None

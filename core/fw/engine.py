@@ -14,14 +14,13 @@ from fw.config import FwConfig
 from fw.executor import Executor
 from fw.interfaces.sampler import SamplingBatch
 from fw.kv_cache import KVCacheManager
-from fw.model_registry import ModelError, read_hf_config
 from fw.outputs import CompletionOutput, RequestOutput
 from fw.platform import detect
 from fw.request import Request
 from fw.sampling_params import SamplingParams
 from fw.scheduler import ScheduledBatch, Scheduler
 from fw.tokenizer import Tokenizer
-from fw.validate import check
+from fw.validate import check_model
 
 log = logging.getLogger("fw")
 
@@ -46,16 +45,16 @@ class StepStats:
 class LLMEngine:
     def __init__(self, config: FwConfig) -> None:
         self.config = config
-        if not config.model.model:
-            raise EngineError("no model given (--model PATH)")
         device = detect(config.model.device)
-        hf_config = read_hf_config(config.model.model)
         plugins.configure(config)
-        result = check(config, device, hf_config)
+        model = check_model(config, device)
+        result, hf_config = model.result, model.hf_config
         if not result.ok:
             raise EngineError(result.report())
         self.hook = plugins.get_plugin_manager().hook
-        self.tokenizer = Tokenizer.from_dir(config.model.tokenizer or config.model.model, hf_config.get("eos_token_id"))
+        self.tokenizer = model.quant.load_tokenizer(config.model.model) or Tokenizer.from_dir(
+            config.model.tokenizer or config.model.model, hf_config.get("eos_token_id")
+        )
         self.max_model_len = config.model.max_model_len or hf_config.get("max_position_embeddings") or 2048
         torch.manual_seed(config.model.seed)
         self.executor = Executor(config, result, hf_config, device.device)
@@ -203,4 +202,3 @@ class LLMEngine:
         plugins.unconfigure(self.config)
 
 
-__all__ = ["EngineError", "LLMEngine", "ModelError", "StepStats"]

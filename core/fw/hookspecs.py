@@ -61,6 +61,11 @@ def fw_detect_quant_format(model_path: str, hf_config: dict[str, Any] | None) ->
     """Name the checkpoint's quantization format (e.g. "gguf"), or None to pass."""
 
 
+@hookspec(firstresult=True)
+def fw_default_model() -> str | None:
+    """The model to run when none is given (e.g. one a package ships), or None to pass."""
+
+
 @hookspec
 def fw_validate(config: FwConfig, requirements: Requirements) -> list[str]:
     """Return reasons this run cannot work (empty when fine); all are reported together."""

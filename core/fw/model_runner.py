@@ -6,8 +6,6 @@ by name, so nothing but plain configuration crosses process boundaries.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from fw import model_registry
@@ -18,8 +16,6 @@ from fw.model_loader import iter_safetensors, load_model, resolve_dtype
 from fw.models.base import HFConfig, ModelContext
 from fw.scheduler import StepInputs
 from fw.validate import CheckResult
-
-log = logging.getLogger("fw")
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -37,8 +33,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(self.hf_config, dtype_name)
         ctx = ModelContext(dtype=self.dtype, quant=quant, attention=attention)
         model_cls = model_registry.resolve(hf_config).load()
-        weights = quant.load_checkpoint(config.model.model)
-        tensors = weights[1] if weights is not None else iter_safetensors(config.model.model)
+        tensors = quant.load_checkpoint(config.model.model) or iter_safetensors(config.model.model)
         self.model = load_model(model_cls, self.hf_config, ctx, tensors, device=device)
         self.block_size = config.cache.block_size
         self.num_blocks = self._num_blocks()

@@ -166,3 +166,46 @@ def _short(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
         return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
     return str(exc)
+
+
+@dataclass
+class ModelCheck:
+    """``check`` for a model path: the resolved path, its config and the quant method that reads it."""
+
+    result: CheckResult
+    model_path: str | None
+    hf_config: dict[str, Any] | None
+    quant: Any = None  # the selected QuantMethod instance, when the checks passed
+
+
+def check_model(config: FwConfig, device: DeviceInfo | None = None) -> ModelCheck:
+    """Find the model (the configured path, else a plugin's default), read its config, check everything.
+
+    A directory's config.json is read by the core; a single-file checkpoint (GGUF) is described by the
+    quant plugin that its detected format selects.
+    """
+    device = device or detect(config.model.device)
+    path = config.model.model or plugins.get_plugin_manager().hook.fw_default_model()
+    if path is None:
+        result = CheckResult(model_requirements(config, device, None))
+        result.problems.append("no model given (--model PATH) and no installed plugin provides a default model")
+        return ModelCheck(result, None, None)
+    config.model.model = str(path)
+    try:
+        hf_config = model_registry.read_hf_config(config.model.model)
+    except model_registry.ModelError as exc:
+        result = check(config, device)
+        result.problems.insert(0, str(exc))
+        return ModelCheck(result, config.model.model, None)
+    result = check(config, device, hf_config)
+    if not result.ok:
+        return ModelCheck(result, config.model.model, hf_config)
+    spec = result.selected["quant"]
+    quant = spec.load()(result.options.get("quant"), (hf_config or {}).get("quantization_config"))
+    if hf_config is None:
+        hf_config = quant.checkpoint_config(config.model.model)
+        if hf_config is None:
+            result.problems.append(f"quant plugin {spec.name!r} cannot read {config.model.model}")
+        else:
+            result = check(config, device, hf_config)
+    return ModelCheck(result, config.model.model, hf_config, quant)

@@ -4,7 +4,7 @@ A quant plugin's implementation is a ``QuantMethod``: it hands every linear
 layer a ``LinearMethod`` that creates the layer's parameters (in whatever
 packed form the checkpoint stores them) and computes ``x @ W.T + b``.
 Formats whose files are not safetensors + config.json (GGUF) also provide
-``load_checkpoint``. The unquantized path is itself a plugin (``none``).
+``checkpoint_config``, ``load_checkpoint`` and ``load_tokenizer``. The unquantized path is itself a plugin (``none``).
 
 Checkpoint-format detection is data: ``config.json``'s
 ``quantization_config.quant_method`` (or a ``fw_detect_quant_format`` hook)
@@ -24,6 +24,8 @@ from fw.interfaces.base import Capabilities, Requirements
 if TYPE_CHECKING:
     import torch
     from pydantic import BaseModel
+
+    from fw.tokenizer import Tokenizer
 
 API_VERSION = 1
 
@@ -82,9 +84,17 @@ class QuantMethod(ABC):
     def get_linear_method(self, prefix: str) -> LinearMethod:
         """The method for the linear layer named ``prefix`` (e.g. ``model.layers.0.mlp.down_proj``)."""
 
-    def load_checkpoint(self, model_path: str) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]] | None:
-        """For formats the core cannot read: (HF-style config dict, (name, tensor) iterator) with HF names.
+    def checkpoint_config(self, model_path: str) -> dict[str, Any] | None:
+        """For single-file formats the core cannot read (GGUF): the Hugging Face–style config dict.
 
-        None means the checkpoint is safetensors + config.json and the core loads it.
+        None means the model is a directory with config.json, which the core reads.
         """
+        return None
+
+    def load_checkpoint(self, model_path: str) -> Iterator[tuple[str, torch.Tensor]] | None:
+        """For such formats: (Hugging Face parameter name, tensor) pairs. None: the core reads safetensors."""
+        return None
+
+    def load_tokenizer(self, model_path: str) -> Tokenizer | None:
+        """For such formats: the tokenizer the file carries. None: the core reads tokenizer.json."""
         return None
