@@ -5,12 +5,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from fw import plugins
 from fw.config import FwConfig
+from fw.detokenizer import IncrementalDetokenizer
 from fw.executor import Executor
 from fw.interfaces.sampler import SamplingBatch
 from fw.kv_cache import KVCacheManager
@@ -67,12 +68,14 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len}; raise --kv-cache-memory or lower --max-model-len"
             )
         self.kv = KVCacheManager(self.executor.num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv)
         self.sampler = result.selected["sampler"].load()(result.options.get("sampler"))
+        self.scheduler = Scheduler(config, self.kv, self.sampler.is_ready)
         self.selected = {kind: spec.name for kind, spec in result.selected.items()}
         self.generators: dict[str, torch.Generator] = {}
         self.logits_processors: dict[str, list] = {}
         self.requests: dict[str, Request] = {}
+        # Parallel sampling (n > 1): the client's request id -> its n sequences, which run as requests.
+        self.groups: dict[str, list[Request]] = {}
         self._ids = itertools.count()
         log.info(
             "fw engine: %s; KV cache %d blocks x %d = %d tokens",
@@ -90,11 +93,47 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
     ) -> str:
+        """Queue a request; ``params.n`` sequences are sampled for it. Returns its id."""
         params = params or SamplingParams()
-        if params.n != 1:
-            raise EngineError("n > 1 is not supported by this engine yet; send n separate requests")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(token_ids, params)
+        request_id = request_id or str(next(self._ids))
+        if request_id in self.groups:
+            raise EngineError(f"request id {request_id!r} is already in use")
+        sequences = []
+        for i in range(params.n):
+            # Each sequence of a seeded request gets its own reproducible stream.
+            seq_params = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            try:
+                self.sampler.add_request(seq_id, seq_params, self.tokenizer)
+            except ValueError as exc:
+                for seq in sequences:
+                    self._forget(seq)
+                raise EngineError(str(exc)) from None
+            detok = IncrementalDetokenizer(
+                self.tokenizer, token_ids, seq_params.skip_special_tokens, seq_params.stop,
+                seq_params.include_stop_str_in_output,
+            )
+            seq = Request(
+                seq_id, token_ids, seq_params, self.tokenizer.eos_token_id, self.max_model_len, priority, text, detok,
+                group_id=request_id,
+            )
+            if seq_params.seed is not None:
+                self.generators[seq_id] = torch.Generator().manual_seed(seq_params.seed)
+            processors = self.hook.fw_logits_processors(request_id=seq_id, sampling_params=seq_params)
+            if any(processors):
+                self.logits_processors[seq_id] = [p for group in processors for p in group or []]
+            sequences.append(seq)
+        self.groups[request_id] = sequences
+        for seq in sequences:
+            self.requests[seq.request_id] = seq
+            self.scheduler.add(seq)
+        self.hook.fw_request_added(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params)
+        return request_id
+
+    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise EngineError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
@@ -105,25 +144,21 @@ class LLMEngine:
         vocab = self.executor.runner.hf_config.vocab_size
         if max(token_ids) >= vocab or min(token_ids) < 0:
             raise EngineError(f"prompt token ids must be in [0, {vocab})")
-        request_id = request_id or str(next(self._ids))
-        if request_id in self.requests:
-            raise EngineError(f"request id {request_id!r} is already in use")
-        request = Request(
-            request_id, token_ids, params, self.tokenizer.eos_token_id, self.max_model_len, priority, text
-        )
-        if params.seed is not None:
-            self.generators[request_id] = torch.Generator().manual_seed(params.seed)
-        self.requests[request_id] = request
-        processors = self.hook.fw_logits_processors(request_id=request_id, sampling_params=params)
-        if any(processors):
-            self.logits_processors[request_id] = [p for group in processors for p in group or []]
-        self.scheduler.add(request)
-        self.hook.fw_request_added(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params)
-        return request_id
+        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
+            raise EngineError(
+                f"the prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        request = self.scheduler.abort(request_id)
-        return self._finish(request) if request is not None else None
+        """Abort a request (all its sequences) and free its KV blocks now."""
+        if request_id not in self.groups:
+            return None
+        for seq in self.groups[request_id]:
+            if not seq.finished:
+                self.scheduler.abort(seq.request_id)
+                self._forget(seq)
+        return self._group_output(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
@@ -138,10 +173,12 @@ class LLMEngine:
             return []
         inputs = self.scheduler.step_inputs(batch)
         logits = self.executor.execute(inputs)
-        tokens, logprobs = self._sample(batch, inputs.sample_rows, logits)
-        finished = set(self.scheduler.update(batch, inputs, tokens, logprobs))
+        self._record_prompt_logprobs(batch, inputs, logits[len(inputs.sample_rows) :])
+        tokens, logprobs = self._sample(batch, inputs.sample_rows, logits[: len(inputs.sample_rows)])
+        for seq in self.scheduler.update(batch, inputs, tokens, logprobs):
+            self._forget(seq)
         self._report(batch, time.perf_counter() - start)
-        return [self._finish(r) if r in finished else self._output(r) for r in batch.requests]
+        return [self._group_output(group) for group in dict.fromkeys(r.group_id for r in batch.requests)]
 
     def _sample(self, batch: ScheduledBatch, rows: list[int], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         if not rows:
@@ -152,16 +189,53 @@ class LLMEngine:
                 logits[row] = processor(request.output_token_ids, logits[row])
         params = [r.params for r in requests]
         sampling = SamplingBatch(
+            request_ids=[r.request_id for r in requests],
             params=params,
             temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32),
             all_greedy=all(p.greedy for p in params),
             generators=[self.generators.get(r.request_id) for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
             output_token_ids=[r.output_token_ids for r in requests],
+            eos_token_id=self.tokenizer.eos_token_id,
         )
         out = self.sampler.sample(logits, sampling)
+        tokens = out.token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-        return out.token_ids.tolist(), logprobs
+        for row, request in enumerate(requests):
+            if request.params.logprobs is not None and logprobs is not None:
+                entry = {tokens[row]: (logprobs[row], int(out.ranks[row]) if out.ranks is not None else 0)}
+                if out.top_token_ids is not None:
+                    ids = out.top_token_ids[row, : request.params.logprobs].tolist()
+                    vals = out.top_logprobs[row, : request.params.logprobs].tolist()
+                    for rank, (tok, val) in enumerate(zip(ids, vals, strict=True), start=1):
+                        entry.setdefault(tok, (val, rank))
+                request.output_logprobs.append(entry)
+        return tokens, logprobs
+
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, inputs, logits: torch.Tensor) -> None:
+        """Logits at prompt position p score prompt token p + 1; the first prompt token gets None."""
+        if not len(logits):
+            return
+        logprobs = logits.log_softmax(dim=-1)
+        row = 0
+        for request, start, n in zip(batch.requests, inputs.num_computed, inputs.num_new, strict=True):
+            k = request.params.prompt_logprobs
+            prompt_len = len(request.prompt_token_ids)
+            if k is None or start >= prompt_len:
+                continue
+            if start == 0:
+                request.prompt_logprobs = [None]
+            for pos in range(start, min(start + n, prompt_len)):
+                if pos + 1 < prompt_len:
+                    lp = logprobs[row]
+                    nxt = request.prompt_token_ids[pos + 1]
+                    entry = {nxt: (lp[nxt].item(), int((lp > lp[nxt]).sum()) + 1)}
+                    if k:
+                        vals, ids = lp.topk(k)
+                        for rank, (tok, val) in enumerate(zip(ids.tolist(), vals.tolist(), strict=True), start=1):
+                            entry.setdefault(tok, (val, rank))
+                    request.prompt_logprobs.append(entry)
+                row += 1
 
     def _report(self, batch: ScheduledBatch, seconds: float) -> None:
         self.hook.fw_step_stats(
@@ -176,26 +250,40 @@ class LLMEngine:
             )
         )
 
-    def _output(self, request: Request) -> RequestOutput:
-        logprob = sum(request.output_logprobs) if request.output_logprobs else None
-        completion = CompletionOutput(
-            0,
-            self.tokenizer.decode(request.output_token_ids),
-            list(request.output_token_ids),
-            logprob,
-            request.finish_reason,
-        )
-        return RequestOutput(
-            request.request_id, request.prompt, request.prompt_token_ids, [completion], request.finished
+    def _completion(self, index: int, seq: Request) -> CompletionOutput:
+        return CompletionOutput(
+            index=index,
+            text=seq.detokenizer.visible_text(seq.finished),
+            token_ids=list(seq.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+            logprobs=seq.output_logprobs if seq.params.logprobs is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
         )
 
-    def _finish(self, request: Request) -> RequestOutput:
-        self.requests.pop(request.request_id, None)
-        self.generators.pop(request.request_id, None)
-        self.logits_processors.pop(request.request_id, None)
-        output = self._output(request)
-        self.hook.fw_request_finished(request_id=request.request_id, output=output)
+    def _group_output(self, request_id: str) -> RequestOutput:
+        sequences = self.groups[request_id]
+        first = sequences[0]
+        finished = all(seq.finished for seq in sequences)
+        output = RequestOutput(
+            request_id=request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[self._completion(i, seq) for i, seq in enumerate(sequences)],
+            finished=finished,
+            prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
+        )
+        if finished:
+            del self.groups[request_id]
+            self.hook.fw_request_finished(request_id=request_id, output=output)
         return output
+
+    def _forget(self, seq: Request) -> None:
+        """Drop a finished sequence's per-request state everywhere."""
+        self.requests.pop(seq.request_id, None)
+        self.generators.pop(seq.request_id, None)
+        self.logits_processors.pop(seq.request_id, None)
+        self.sampler.remove_request(seq.request_id)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

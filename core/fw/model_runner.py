@@ -66,7 +66,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Run the step; returns float32 logits of the sampling rows, [len(sample_rows), vocab]."""
+        """Run the step; returns float32 logits at ``inputs.logit_positions``, [len(logit_positions), vocab]."""
         for src, dst in inputs.copies:
             for cache in self.kv_caches:
                 cache[:, dst].copy_(cache[:, src])
@@ -77,7 +77,5 @@ class ModelRunner:
         input_ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=self.device)
         with set_forward_context(self.attention.prepare(batch), self.kv_caches):
             hidden = self.model(input_ids, positions)
-        last = torch.tensor(
-            [batch.query_start_loc_cpu[i + 1] - 1 for i in inputs.sample_rows], dtype=torch.long, device=self.device
-        )
-        return self.model.compute_logits(hidden[last]).float()
+        rows = torch.tensor(inputs.logit_positions, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows]).float()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -11,7 +11,13 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
+    # Per token, when asked for: {token id: (logprob, rank)} for the chosen token and the top-N alternatives.
+    logprobs: list[dict[int, tuple[float, int]]] | None = None
     finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: str | int | None = None  # the stop string or token id; "repetition" for a repeating n-gram
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -21,5 +27,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None

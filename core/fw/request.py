@@ -7,6 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from fw.detokenizer import IncrementalDetokenizer
 from fw.sampling_params import SamplingParams
 
 _arrival = itertools.count()
@@ -27,12 +28,19 @@ class Request:
     max_model_len: int = 1 << 30
     priority: int = 0
     prompt: str | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    group_id: str = ""  # the client's request id; differs from request_id for the sequences of n > 1
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    # Per output token, when params.logprobs is set: {token id: (logprob, rank)} for the chosen token and the top N.
+    output_logprobs: list[dict[int, tuple[float, int]]] = field(default_factory=list)
+    # Per prompt token, when params.prompt_logprobs is set (None for the first token, which nothing predicts).
+    prompt_logprobs: list[dict[int, tuple[float, int]] | None] = field(default_factory=list)
     # Tokens whose KV is in the cache; the next step computes from here.
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     arrival: int = field(default_factory=lambda: next(_arrival))
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -50,20 +58,36 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def append_token(self, token: int, logprob: float | None) -> None:
+    def append_token(self, token: int, logprob: float | None = None) -> None:
         """Record a sampled token and decide whether the request is done."""
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         self.output_token_ids.append(token)
         if logprob is not None:
-            self.output_logprobs.append(logprob)
-        n = len(self.output_token_ids)
-        stops = token in self.params.stop_token_ids or (not self.params.ignore_eos and token == self.eos_token_id)
-        if stops and n >= self.params.min_tokens:
-            self.finish_reason = "stop"
-        if self.finish_reason is None and (
-            (self.params.max_tokens is not None and n >= self.params.max_tokens) or self.num_tokens >= self.max_model_len
-        ):
-            self.finish_reason = "length"
-        if self.finish_reason is not None:
-            self.status = Status.FINISHED
+            self.cumulative_logprob += logprob
+        params, n = self.params, len(self.output_token_ids)
+        stop_string = self.detokenizer.append(token) if self.detokenizer is not None else None
+        may_stop = n >= params.min_tokens
+        if may_stop and token in params.stop_token_ids:
+            self._finish("stop", token)
+        elif may_stop and not params.ignore_eos and token == self.eos_token_id:
+            self._finish("stop", None)
+        elif may_stop and stop_string is not None:
+            self._finish("stop", stop_string)
+        elif self._repeats():
+            self._finish("stop", "repetition")
+        elif (params.max_tokens is not None and n >= params.max_tokens) or self.num_tokens >= self.max_model_len:
+            self._finish("length", None)
+
+    def _repeats(self) -> bool:
+        """The last ``repetition_ngram_size`` tokens occurred ``repetition_max_repeats`` times back to back."""
+        size, times = self.params.repetition_ngram_size, self.params.repetition_max_repeats
+        out = self.output_token_ids
+        if not size or len(out) < size * times:
+            return False
+        tail = out[-size:]
+        return all(out[len(out) - size * (k + 1) : len(out) - size * k] == tail for k in range(1, times))
+
+    def _finish(self, reason: str, stop_reason: str | int | None) -> None:
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        self.status = Status.FINISHED

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 # Below this a temperature means greedy; tiny positive values are clamped up to it so logits/T stays finite.
 GREEDY_EPS = 1e-5
@@ -11,31 +13,104 @@ GREEDY_EPS = 1e-5
 class SamplingParamsError(ValueError):
     """An out-of-range sampling value; the message names the field and the allowed range."""
 
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output (exactly one of the fields): a JSON schema, any JSON object, a regex, or a choice."""
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise SamplingParamsError("structured_outputs", f"set exactly one of json, json_object, regex, choice (got {given or 'none'})")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise SamplingParamsError("structured_outputs.choice", "must be a non-empty list of non-empty strings")
+
+    def key(self) -> tuple[str, str]:
+        """A hashable description, for caching compiled constraints."""
+        if self.json is not None:
+            schema = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return ("json", schema)
+        if self.json_object:
+            return ("json_object", "")
+        if self.regex is not None:
+            return ("regex", self.regex)
+        return ("choice", json.dumps(self.choice))
+
 
 @dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N log-probabilities per output token (0: only the chosen token's)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    # End the request when an n-gram of this size repeats `repetition_max_repeats` times in a row (0: off).
+    repetition_ngram_size: int = 0
+    repetition_max_repeats: int = 0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        max_tokens = self.max_tokens
         checks = [
-            ("n", self.n >= 1, ">= 1"),
-            ("temperature", self.temperature >= 0, ">= 0"),
-            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", self.top_k >= -1, "-1, 0 (disabled) or a positive integer"),
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, ">= 1"),
-            ("min_tokens", 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens), ">= 0 and <= max_tokens"),
+            ("n", self.n >= 1, "must be >= 1"),
+            ("temperature", self.temperature >= 0, "must be >= 0"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", self.top_k >= -1, "must be -1, 0 (disabled) or a positive integer"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("repetition_penalty", 0 < self.repetition_penalty <= 2, "must be in (0, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("max_tokens", max_tokens is None or max_tokens >= 1, "must be >= 1"),
+            ("min_tokens", self.min_tokens >= 0 and (max_tokens is None or self.min_tokens <= max_tokens),
+             "must be >= 0 and <= max_tokens"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "must be in [0, 20]"),
+            ("repetition_ngram_size", self.repetition_ngram_size >= 0, "must be >= 0"),
+            ("repetition_max_repeats", self.repetition_max_repeats >= 0 and
+             (self.repetition_ngram_size == 0 or self.repetition_max_repeats >= 2),
+             "must be >= 2 when repetition_ngram_size is set"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "must be non-negative token ids"),
         ]
-        for name, ok, allowed in checks:
+        for name, ok, message in checks:
             if not ok:
-                raise SamplingParamsError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+                raise SamplingParamsError(name, f"{message}, got {getattr(self, name)!r}")
+        try:  # JSON clients send token ids as strings
+            self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()} or None
+        except (TypeError, ValueError):
+            raise SamplingParamsError("logit_bias", "must map token ids to numbers") from None
+        for token, bias in (self.logit_bias or {}).items():
+            if not -100 <= bias <= 100:
+                raise SamplingParamsError("logit_bias", f"bias of token {token} must be in [-100, 100], got {bias}")
 
     @property
     def greedy(self) -> bool:

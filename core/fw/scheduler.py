@@ -13,6 +13,7 @@ usually makes that cheap) and continue exactly where it stopped.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fw.config import FwConfig
@@ -29,6 +30,9 @@ class StepInputs:
     num_new: list[int]  # per request: tokens computed this step
     block_tables: list[list[int]]
     sample_rows: list[int]  # requests whose last new token ends their known tokens: they sample
+    # Token positions whose logits come back: each sampling request's last token, then the prompt
+    # tokens of requests that asked for prompt logprobs.
+    logit_positions: list[int]
     copies: list[tuple[int, int]]  # copy-on-write block copies to run before the forward
 
 
@@ -48,8 +52,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: FwConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: FwConfig, kv: KVCacheManager, is_ready: Callable[[str], bool] = lambda _: True) -> None:
         self.kv = kv
+        # Requests whose per-request preparation (e.g. grammar compilation) is still running wait, others pass.
+        self.is_ready = is_ready
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.token_budget = config.scheduler.max_num_batched_tokens
         self.chunked_prefill = config.scheduler.enable_chunked_prefill
@@ -83,8 +89,10 @@ class Scheduler:
                 batch.requests.append(request)
                 batch.num_new.append(num_new)
                 budget -= num_new
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
-            request = self.waiting[0]
+        while budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
+            request = next((r for r in self.waiting if self.is_ready(r.request_id)), None)
+            if request is None:
+                break
             cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids)
             num_new = request.num_tokens - cached
             if num_new > budget and not self.chunked_prefill:
@@ -94,7 +102,7 @@ class Scheduler:
             if not self.kv.allocate_slots(request.request_id, cached + num_new):
                 self.kv.free(request.request_id)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.num_computed_tokens = cached
             request.status = Status.RUNNING
             self.running.append(request)
@@ -129,18 +137,22 @@ class Scheduler:
 
     def step_inputs(self, batch: ScheduledBatch) -> StepInputs:
         token_ids: list[int] = []
-        sample_rows = []
+        sample_rows, sample_positions, prompt_positions = [], [], []
         for i, (request, n) in enumerate(zip(batch.requests, batch.num_new, strict=True)):
-            start = request.num_computed_tokens
+            start, first = request.num_computed_tokens, len(token_ids)
             token_ids.extend(request.all_token_ids[start : start + n])
             if start + n == request.num_tokens:
                 sample_rows.append(i)
+                sample_positions.append(len(token_ids) - 1)
+            if request.params.prompt_logprobs is not None and start < len(request.prompt_token_ids):
+                prompt_positions.extend(range(first, first + min(n, len(request.prompt_token_ids) - start)))
         return StepInputs(
             token_ids=token_ids,
             num_computed=[r.num_computed_tokens for r in batch.requests],
             num_new=list(batch.num_new),
             block_tables=[self.kv.block_ids(r.request_id) for r in batch.requests],
             sample_rows=sample_rows,
+            logit_positions=sample_positions + prompt_positions,
             copies=self.kv.take_pending_copies(),
         )
 

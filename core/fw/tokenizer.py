@@ -34,6 +34,14 @@ class Tokenizer:
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         return cls(_Tokenizer.from_file(str(file)), config, eos_token_id)
 
+    @property
+    def backend(self) -> _Tokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (vocabulary, model type, decoder)."""
+        return self._tok
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 

@@ -4,6 +4,12 @@ Once per step the engine hands the sampler the logits of every request that
 produces a token, as one float32 [B, V] tensor, plus a ``SamplingBatch``
 describing each row. The sampler returns one token per row. Everything
 per-request lives in ``SamplingBatch`` so a sampler can stay vectorised.
+
+A sampler that keeps per-request state (a grammar's automaton, say) learns
+of requests through ``add_request`` — called before the request is admitted,
+so an invalid constraint is rejected with its reason — and forgets them in
+``remove_request``. ``is_ready`` lets slow preparation (compiling a grammar)
+happen off the hot path: the scheduler admits the request only once ready.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
 
     from fw.sampling_params import SamplingParams
+    from fw.tokenizer import Tokenizer
 
 API_VERSION = 1
 
@@ -32,18 +39,24 @@ class SamplerCapabilities(Capabilities):
 
 @dataclass
 class SamplingBatch:
+    request_ids: list[str]
     params: list[SamplingParams]  # one per logits row
     temperature: torch.Tensor  # [B] float32; 0 where the row is greedy
     all_greedy: bool
     generators: list[torch.Generator | None]  # per-row seeded generator, or None
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]  # tokens generated so far, for penalties
+    eos_token_id: int | None = None
 
 
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
     logprobs: torch.Tensor | None = None  # [B] float32 log-probability of the chosen token
+    # Top-N alternatives for rows that asked for logprobs: ids and log-probabilities, [B, N].
+    top_token_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None  # [B] rank of the chosen token (1 = most likely)
 
 
 class Sampler(ABC):
@@ -51,6 +64,16 @@ class Sampler(ABC):
 
     def __init__(self, options: BaseModel | None = None) -> None:
         self.options = options
+
+    def add_request(self, request_id: str, params: SamplingParams, tokenizer: Tokenizer) -> None:
+        """A request is about to be admitted; raise ValueError (with the reason) to reject it."""
+
+    def is_ready(self, request_id: str) -> bool:
+        """Whether the request may be scheduled (its per-request preparation has finished)."""
+        return True
+
+    def remove_request(self, request_id: str) -> None:
+        """The request finished or was aborted."""
 
     @abstractmethod
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput: ...

@@ -285,6 +285,7 @@ class SamplerConformance(PluginConformance):
     def _batch(self, params: list[SamplingParams]) -> SamplingBatch:
         gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
         return SamplingBatch(
+            request_ids=[str(i) for i in range(len(params))],
             params=params,
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
             all_greedy=all(p.greedy for p in params),

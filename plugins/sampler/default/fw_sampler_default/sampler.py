@@ -1,3 +1,11 @@
+"""The default sampler: vLLM's SamplingParams, vectorised over the batch.
+
+Order, as vLLM applies it: log-probabilities are taken from the raw logits;
+then penalties (repetition, frequency, presence), logit_bias, min_tokens
+(no EOS/stop tokens yet), ``constrain`` (a subclass's hook: structured
+output masks), then temperature, top-k, top-p and min-p, and a draw.
+"""
+
 from __future__ import annotations
 
 import torch
@@ -6,8 +14,70 @@ from fw.interfaces.sampler import Sampler, SamplerOutput, SamplingBatch
 from fw.sampling_params import GREEDY_EPS
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask logits outside each row's top-k and nucleus; k <= 0 and p == 1 leave a row untouched."""
+def _row_tensor(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)
+
+
+def _token_mask(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[B, V] counts of each token per row, built with one scatter."""
+    counts = torch.zeros(len(rows), vocab + 1, dtype=torch.float32, device=device)
+    width = max((len(r) for r in rows), default=0)
+    if width:
+        # Pad with the extra column `vocab`, dropped below.
+        ids = torch.tensor([r + [vocab] * (width - len(r)) for r in rows], device=device)
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition (prompt and output tokens, divides positive / multiplies negative logits), frequency
+    (minus count x penalty) and presence (minus penalty once) penalties, as vLLM defines them."""
+    params = batch.params
+    rep = [p.repetition_penalty for p in params]
+    freq = [p.frequency_penalty for p in params]
+    pres = [p.presence_penalty for p in params]
+    if all(r == 1.0 for r in rep) and not any(freq) and not any(pres):
+        return logits
+    vocab = logits.shape[-1]
+    out_counts = _token_mask(batch.output_token_ids, vocab, logits.device)
+    if any(r != 1.0 for r in rep):
+        seen = (out_counts > 0) | (_token_mask(batch.prompt_token_ids, vocab, logits.device) > 0)
+        penalty = _row_tensor(rep, logits).unsqueeze(-1).expand_as(logits)
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, scaled, logits)
+    logits = logits - _row_tensor(freq, logits).unsqueeze(-1) * out_counts
+    return logits - _row_tensor(pres, logits).unsqueeze(-1) * (out_counts > 0)
+
+
+def apply_logit_bias_and_min_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    rows, cols, values = [], [], []
+    banned_rows, banned_cols = [], []
+    vocab = logits.shape[-1]
+    for i, p in enumerate(batch.params):
+        for token, bias in (p.logit_bias or {}).items():
+            if 0 <= token < vocab:
+                rows.append(i)
+                cols.append(token)
+                values.append(bias)
+        if len(batch.output_token_ids[i]) < p.min_tokens:
+            stops = set(p.stop_token_ids)
+            if batch.eos_token_id is not None and not p.ignore_eos:
+                stops.add(batch.eos_token_id)
+            banned_rows += [i] * len(stops)
+            banned_cols += sorted(stops)
+    if rows:
+        logits = logits.index_put((torch.tensor(rows), torch.tensor(cols)), _row_tensor(values, logits), accumulate=True)
+    if banned_rows:
+        logits = logits.index_put(
+            (torch.tensor(banned_rows), torch.tensor(banned_cols)), torch.tensor(float("-inf"), dtype=logits.dtype)
+        )
+    return logits
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Mask logits outside each row's top-k, nucleus and min-p set; k <= 0, p == 1, min_p == 0 leave a row alone."""
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
@@ -15,30 +85,50 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.T
     drop = ranks >= k
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # Keep the smallest prefix whose mass reaches p: drop a token when the mass before it already does.
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= top_p.unsqueeze(-1)
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(-1)
+    drop |= probs < min_p.unsqueeze(-1) * probs[:, :1]
     drop[:, 0] = False
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) samples from p.
+
+    Seeded rows draw their noise from their own generator, so their tokens don't depend on the batch.
+    """
+    noise = torch.empty_like(probs).exponential_()
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            noise[row].exponential_(generator=gen)
+    return (probs / noise).argmax(dim=-1)
+
+
 class DefaultSampler(Sampler):
+    def constrain(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Subclasses mask tokens here (structured output); runs before temperature and truncation."""
+        return logits
+
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        logprobs_all = logits.log_softmax(dim=-1)
+        raw_logprobs = logits.log_softmax(dim=-1)
+        logits = apply_penalties(logits, batch)
+        logits = apply_logit_bias_and_min_tokens(logits, batch)
+        logits = self.constrain(logits, batch)
         greedy_tokens = logits.argmax(dim=-1)
         if batch.all_greedy:
             tokens = greedy_tokens
         else:
+            params = batch.params
             temperature = batch.temperature.clamp(min=GREEDY_EPS).unsqueeze(-1)
-            top_k = torch.tensor([p.top_k for p in batch.params], device=logits.device)
-            top_p = torch.tensor([p.top_p for p in batch.params], device=logits.device, dtype=logits.dtype)
-            probs = _apply_top_k_top_p(logits / temperature, top_k, top_p).softmax(dim=-1)
-            # Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) samples from p. Seeded rows draw
-            # their noise from their own generator, so their tokens don't depend on the rest of the batch.
-            noise = torch.empty_like(probs).exponential_()
-            for row, gen in enumerate(batch.generators):
-                if gen is not None:
-                    noise[row].exponential_(generator=gen)
-            sampled = (probs / noise).argmax(dim=-1)
-            tokens = torch.where(batch.temperature < GREEDY_EPS, greedy_tokens, sampled)
-        chosen = logprobs_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        return SamplerOutput(token_ids=tokens, logprobs=chosen)
+            top_k = torch.tensor([p.top_k for p in params], device=logits.device)
+            top_p = _row_tensor([p.top_p for p in params], logits)
+            min_p = _row_tensor([p.min_p for p in params], logits)
+            probs = apply_top_k_top_p_min_p(logits / temperature, top_k, top_p, min_p).softmax(dim=-1)
+            tokens = torch.where(batch.temperature < GREEDY_EPS, greedy_tokens, draw(probs, batch.generators))
+        chosen = raw_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        out = SamplerOutput(token_ids=tokens, logprobs=chosen)
+        top_n = max((p.logprobs or 0 for p in batch.params), default=0)
+        if any(p.logprobs is not None for p in batch.params):
+            out.ranks = (raw_logprobs > chosen.unsqueeze(-1)).sum(dim=-1) + 1
+            if top_n:
+                out.top_logprobs, out.top_token_ids = raw_logprobs.topk(top_n, dim=-1)
+        return out

@@ -6,7 +6,7 @@ SPEC = PluginSpec(
     name="default",
     kind="sampler",
     impl="fw_sampler_default.sampler:DefaultSampler",
-    capabilities=sampler.SamplerCapabilities(features=frozen("seed", "logprobs")),
+    capabilities=sampler.SamplerCapabilities(features=frozen("seed", "logprobs", "penalties")),
     api_version=sampler.API_VERSION,
-    description="Greedy and temperature/top-k/top-p sampling with per-request seeds, vectorised over the batch.",
+    description="vLLM SamplingParams: penalties, logit bias, temperature, top-k/p, min-p, seeds, logprobs; vectorised.",
 )
