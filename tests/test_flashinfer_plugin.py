@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fw_attention_flashinfer import backend
-from fw_attention_flashinfer.spec import SPEC
 
 from fw.interfaces.attention import AttentionBatch, AttentionLayerSpec
 from fw.interfaces.base import Requirements
+from fw_attention_flashinfer import backend
+from fw_attention_flashinfer.spec import SPEC
 
 GPU_READY = (
     torch.cuda.is_available()

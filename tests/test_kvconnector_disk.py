@@ -7,10 +7,10 @@ import sys
 
 import pytest
 import torch
-from fw_kvconnector_disk.connector import KV_CONNECTOR, DiskConnectorMeta
 
 from fw.interfaces.base import Requirements
 from fw.plugins import get_spec
+from fw_kvconnector_disk.connector import KV_CONNECTOR, DiskConnectorMeta
 
 BLOCK_SIZE, NUM_BLOCKS, NUM_LAYERS = 16, 8, 2
 PROMPT = list(range(1000, 1040))  # 40 tokens: two full blocks and a partial one

@@ -13,8 +13,6 @@ import shutil
 
 import pytest
 import torch
-from fw_attention_torch.backend import TorchAttention
-from fw_quant_none.method import Unquantized
 
 from fw.forward_context import set_forward_context
 from fw.interfaces.attention import AttentionBatch
@@ -29,6 +27,8 @@ from fw.model_loader import (
 from fw.models import specs
 from fw.models.base import HFConfig, ModelContext
 from fw.testing.models import ARCHITECTURES, VOCAB_SIZE, make_tiny_model
+from fw_attention_torch.backend import TorchAttention
+from fw_quant_none.method import Unquantized
 
 # transformers is imported only where a reference is needed, so that the tensor-parallel worker
 # processes, which import this module, start fast.
@@ -320,9 +320,8 @@ def test_resolve_dtype():
 
 
 def _tp_worker(rank: int, init_method: str, paths: list, out_file) -> None:
-    from fw_comm_torch.communicator import TorchDistributed
-
     from fw.distributed import ParallelLayout, init_tensor_parallel
+    from fw_comm_torch.communicator import TorchDistributed
 
     torch.set_num_threads(1)
     init_tensor_parallel(TorchDistributed, rank, ParallelLayout(tensor_parallel_size=2), init_method, "cpu")

@@ -69,6 +69,7 @@ class LLMEngine:
             )
         self.kv = KVCacheManager(self.executor.num_blocks, block_size, config.cache.enable_prefix_caching)
         self.sampler = result.selected["sampler"].load()(result.options.get("sampler"))
+        self.sampler_features = result.selected["sampler"].capabilities.features
         self.scheduler = Scheduler(config, self.kv, self.sampler.is_ready)
         self.selected = {kind: spec.name for kind, spec in result.selected.items()}
         self.generators: dict[str, torch.Generator] = {}

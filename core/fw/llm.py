@@ -8,8 +8,8 @@ from typing import Any
 
 from fw.config import cli_options, load_config
 from fw.engine import LLMEngine
-from fw.outputs import RequestOutput
-from fw.sampling_params import SamplingParams
+from fw.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from fw.sampling_params import BeamSearchParams, SamplingParams
 
 
 def _config_paths() -> dict[str, str]:
@@ -57,6 +57,32 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
         return [done[i] for i in ids]
+
+    def beam_search(self, prompts: Sequence[str | list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search, for a sampler plugin with the "beam" feature (``sampler="beam"``)."""
+        engine = self.llm_engine
+        if "beam" not in engine.sampler_features:
+            raise ValueError(
+                f"beam search needs a sampler with the 'beam' feature (e.g. sampler='beam'); "
+                f"the selected sampler is {engine.selected['sampler']!r}"
+            )
+        token_ids = [engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        results = engine.sampler.beam_search(engine, token_ids, params)
+        return [
+            BeamSearchOutput(
+                [
+                    BeamSearchSequence(
+                        beam.tokens,
+                        engine.tokenizer.decode(beam.tokens),
+                        beam.logprob,
+                        beam.score(params.length_penalty),
+                        "stop" if beam.finished else "length",
+                    )
+                    for beam in beams
+                ]
+            )
+            for beams in results
+        ]
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()

@@ -28,3 +28,17 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    token_ids: list[int]
+    text: str
+    cum_logprob: float
+    score: float  # cum_logprob / len(token_ids) ** length_penalty
+    finish_reason: str  # "stop" (end of sequence) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first

@@ -115,3 +115,20 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam-search settings; run with ``LLM.beam_search`` and a sampler that has the "beam" feature."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0  # score = cumulative logprob / generated_length ** length_penalty
+    early_stopping: bool = False  # stop a prompt once beam_width hypotheses have finished
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.beam_width <= 10:
+            raise SamplingParamsError("beam_width", f"must be in [1, 10], got {self.beam_width}")
+        if self.max_tokens < 1:
+            raise SamplingParamsError("max_tokens", f"must be >= 1, got {self.max_tokens}")

@@ -1,7 +1,7 @@
 import torch
-from fw_sampler_typical.sampler import typical_filter
 
 from fw.testing.conformance import SamplerConformance
+from fw_sampler_typical.sampler import typical_filter
 
 
 class TestTypicalConformance(SamplerConformance):

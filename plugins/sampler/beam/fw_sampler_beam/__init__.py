@@ -1,0 +1,1 @@
+"""Beam search as a sampler plugin."""

@@ -1,0 +1,77 @@
+"""Beam search over the engine: every round asks for the top 2k next tokens of each live beam.
+
+Each round submits one single-token request per live beam (prompt + beam so
+far) with ``logprobs=2 * beam_width``; prefix caching makes the shared
+prefixes nearly free. Asking for 2k candidates per beam is enough: at most k
+of a beam's candidates can make the global top k, and at most k of them can
+be end-of-sequence tokens, so k live beams always survive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from fw.sampling_params import BeamSearchParams, SamplingParams
+from fw_sampler_default.sampler import DefaultSampler
+
+# prefixes (prompt + beam tokens) -> for each, {token id: logprob} of its best candidates
+NextTokens = Callable[[list[list[int]], int], list[dict[int, float]]]
+
+
+@dataclass
+class Beam:
+    tokens: list[int] = field(default_factory=list)
+    logprob: float = 0.0
+    finished: bool = False
+
+    def score(self, length_penalty: float) -> float:
+        return self.logprob / max(len(self.tokens), 1) ** length_penalty
+
+
+def beam_search(
+    prompts: Sequence[list[int]], params: BeamSearchParams, eos_token_id: int | None, next_tokens: NextTokens
+) -> list[list[Beam]]:
+    """For each prompt, its ``beam_width`` best hypotheses, best first."""
+    k = params.beam_width
+    live = [[Beam()] for _ in prompts]
+    done: list[list[Beam]] = [[] for _ in prompts]
+    for _ in range(params.max_tokens):
+        order = [(p, beam) for p, beams in enumerate(live) for beam in beams]
+        if not order:
+            break
+        candidates_per_beam = next_tokens([list(prompts[p]) + b.tokens for p, b in order], 2 * k)
+        grouped: list[list[Beam]] = [[] for _ in prompts]
+        for (p, beam), candidates in zip(order, candidates_per_beam, strict=True):
+            for token, logprob in candidates.items():
+                ends = token == eos_token_id and not params.ignore_eos
+                grouped[p].append(Beam(beam.tokens + [token], beam.logprob + logprob, ends))
+        for p, cands in enumerate(grouped):
+            # Stable sort: ties keep the earlier beam / higher-ranked candidate, as a brute force would.
+            cands.sort(key=lambda b: -b.logprob)
+            live[p] = []
+            for cand in cands:
+                if cand.finished:
+                    done[p].append(cand)
+                elif len(live[p]) < k:
+                    live[p].append(cand)
+                if len(live[p]) == k:
+                    break
+            if params.early_stopping and len(done[p]) >= k:
+                live[p] = []
+    return [sorted(d + alive, key=lambda b: -b.score(params.length_penalty))[:k] for d, alive in zip(done, live, strict=True)]
+
+
+class BeamSearchSampler(DefaultSampler):
+    """Ordinary requests sample as with ``default``; ``beam_search`` runs beam search on an engine."""
+
+    def beam_search(self, engine, prompts: Sequence[list[int]], params: BeamSearchParams) -> list[list[Beam]]:
+        def next_tokens(prefixes: list[list[int]], n: int) -> list[dict[int, float]]:
+            probe = SamplingParams(temperature=0.0, max_tokens=1, logprobs=n, ignore_eos=True)
+            ids = [engine.add_request(prefix, probe) for prefix in prefixes]
+            outputs = {}
+            while engine.has_unfinished_requests():
+                outputs.update({o.request_id: o for o in engine.step() if o.finished})
+            return [{t: lp for t, (lp, _rank) in outputs[i].outputs[0].logprobs[0].items()} for i in ids]
+
+        return beam_search(prompts, params, engine.tokenizer.eos_token_id, next_tokens)
