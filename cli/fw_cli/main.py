@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from pathlib import Path
 
 import click
 
@@ -180,6 +181,33 @@ def generate(resolved: ResolvedConfig, prompts, max_tokens, temperature, top_p, 
         out = done[rid].outputs[0]
         click.echo(f"{prompt}{out.text}")
         click.echo(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", err=True)
+
+
+# --- fw serve ----------------------------------------------------------------
+
+
+@cli.command("serve")
+@config_options(server=True)
+def serve(resolved: ResolvedConfig) -> None:
+    """Serve the OpenAI API (completions, chat, models, metrics) for one model."""
+    from fw.async_engine import AsyncEngine
+    from fw.engine import EngineError, LLMEngine
+    from fw.model_loader import ModelLoadError
+    from fw_cli.server.app import Server, run
+
+    config = resolved.config
+    try:
+        engine = LLMEngine(config)
+    except (EngineError, ModelLoadError, plugins.PluginError) as exc:
+        raise click.ClickException(str(exc)) from None
+    model = config.model.model
+    name = config.server.served_model_name or (Path(model).stem if Path(model).is_file() else model)
+    api_key = config.server.api_key.get_secret_value() if config.server.api_key else None
+    server = Server(AsyncEngine(engine), name, api_key, config.server.chat_template)
+    host, port = config.server.host, config.server.port
+    click.echo(f"fw serve: model {name!r} ({model}), max_model_len {engine.max_model_len}", err=True)
+    click.echo(f"fw serve: listening on http://{host}:{port}/v1", err=True)
+    run(server, host, port)
 
 
 def main() -> None:

@@ -96,6 +96,11 @@ class LLMEngine:
     ) -> str:
         """Queue a request; ``params.n`` sequences are sampled for it. Returns its id."""
         params = params or SamplingParams()
+        if params.structured_outputs is not None and "structured" not in self.sampler_features:
+            raise EngineError(
+                f"structured output needs a sampler with the 'structured' feature (e.g. --sampler outlines); "
+                f"the selected sampler is {self.selected['sampler']!r}"
+            )
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(token_ids, params)
@@ -272,6 +277,7 @@ class LLMEngine:
             prompt_token_ids=first.prompt_token_ids,
             outputs=[self._completion(i, seq) for i, seq in enumerate(sequences)],
             finished=finished,
+            first_token_time=min((s.first_token_time for s in sequences if s.first_token_time), default=None),
             prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
         )
         if finished:

@@ -6,6 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from fw.chat import apply_chat_template
 from fw.config import cli_options, load_config
 from fw.engine import LLMEngine
 from fw.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
@@ -57,6 +58,23 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
         return [done[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.llm_engine.tokenizer
+        prompts = [
+            tokenizer.encode(apply_chat_template(tokenizer, conv, add_generation_prompt, chat_template),
+                             add_special_tokens=False)
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params)
 
     def beam_search(self, prompts: Sequence[str | list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search, for a sampler plugin with the "beam" feature (``sampler="beam"``)."""

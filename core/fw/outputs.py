@@ -27,6 +27,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    first_token_time: float | None = None  # time.monotonic() when the first output token was sampled
     prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
 
 

@@ -1,0 +1,69 @@
+"""Prometheus metrics with vLLM's names, under the `fw:` prefix."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from fw.engine import LLMEngine
+from fw.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class _EngineState:
+    """Read at scrape time from the engine (plain reads of counters and queue lengths)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        sched, kv = self.engine.scheduler, self.engine.kv
+        for name, doc, value in (
+            ("fw:num_requests_running", "Requests in the running batch.", len(sched.running)),
+            ("fw:num_requests_waiting", "Requests waiting to be scheduled.", len(sched.waiting)),
+            ("fw:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", kv.usage()),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily("fw:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  value=kv.prefix_cache_queries)
+        yield CounterMetricFamily("fw:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  value=kv.prefix_cache_hits)
+
+
+class Metrics:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineState(engine))
+        r = self.registry
+        self.prompt_tokens = Counter("fw:prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter("fw:generation_tokens", "Tokens generated.", registry=r)
+        self.requests = Counter("fw:request_success", "Finished requests.", ["finished_reason"], registry=r)
+        self.ttft = Histogram("fw:time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram("fw:time_per_output_token_seconds", "Time per output token after the first.",
+                              buckets=TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("fw:e2e_request_latency_seconds", "End-to-end request latency.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+
+    def observe_request(self, output: RequestOutput | None, start: float) -> None:
+        """Account a request the server saw to its end (``start``: time.monotonic() at arrival)."""
+        if output is None:
+            return
+        now = time.monotonic()
+        generated = sum(len(c.token_ids) for c in output.outputs)
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(generated)
+        for comp in output.outputs:
+            self.requests.labels(finished_reason=comp.finish_reason or "abort").inc()
+        self.e2e.observe(now - start)
+        if output.first_token_time is not None:
+            self.ttft.observe(max(output.first_token_time - start, 0.0))
+            if generated > len(output.outputs):
+                self.tpot.observe((now - output.first_token_time) / (generated - len(output.outputs)))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

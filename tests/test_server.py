@@ -1,0 +1,252 @@
+"""`fw serve`: the OpenAI API under real clients, load, cancellation, bad input, auth, metrics, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fw.testing.models import make_tiny_model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def fw_serve(*args: str, env: dict[str, str] | None = None):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fw_cli", "serve", "--port", str(port), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"fw serve exited: {proc.stdout.read()}")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("fw serve did not start")
+            time.sleep(0.3)
+        yield base, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("srv") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    with fw_serve("--model", tiny, "--served-model-name", "tiny", "--num-kv-blocks", "256",
+                  "--max-model-len", "128", "--max-num-seqs", "64") as (base, _proc):
+        yield base
+
+
+def metric_values(base: str) -> dict[str, float]:
+    text = httpx.get(f"{base}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.labels or sample.name.endswith("_count"):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def chat_body(content: str, **kw) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], **kw}
+
+
+async def stream_chat(client: httpx.AsyncClient, base: str, body: dict, stop_after: int | None = None):
+    """Stream one chat completion; returns (text, usage) or None when cancelled after `stop_after` chunks."""
+    text, usage, chunks = "", None, 0
+    async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            chunks += 1
+            if data.get("usage"):
+                usage = data["usage"]
+            for choice in data["choices"]:
+                text += choice["delta"].get("content", "")
+            if stop_after is not None and chunks >= stop_after:
+                return None  # leaving the block closes the connection mid-stream
+    return text, usage
+
+
+def test_openai_client_endpoints(server):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    comp = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0, logprobs=2)
+    assert comp.choices[0].finish_reason in ("length", "stop") and comp.usage.completion_tokens <= 5
+    assert len(comp.choices[0].logprobs.token_logprobs) == comp.usage.completion_tokens
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    assert chat.choices[0].message.role == "assistant"
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+def test_64_concurrent_streams_then_half_cancelled(server):
+    prompts = [f"Request number {i} says" for i in range(64)]
+    greedy = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True,
+              "stream_options": {"include_usage": True}}
+    expected = [
+        httpx.post(f"{server}/v1/chat/completions", json=chat_body(p, **{**greedy, "stream": False}),
+                   timeout=120).json()
+        for p in prompts[:4]
+    ]
+
+    async def run(cancel_half: bool):
+        async with httpx.AsyncClient(timeout=300) as client:
+            tasks = [
+                stream_chat(client, server, chat_body(p, **greedy), stop_after=2 if cancel_half and i % 2 else None)
+                for i, p in enumerate(prompts)
+            ]
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run(cancel_half=False))
+    for i, (text, usage) in enumerate(results):
+        assert usage["completion_tokens"] == 12, i
+        assert usage["prompt_tokens"] > 5
+    for i, ref in enumerate(expected):  # nothing mixed: streamed text equals each prompt's own answer
+        assert results[i][0] == ref["choices"][0]["message"]["content"]
+        assert results[i][1]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+    before = metric_values(server)
+    results = asyncio.run(run(cancel_half=True))
+    assert sum(r is None for r in results) == 32 and all(r[1]["completion_tokens"] == 12 for r in results if r)
+    deadline = time.monotonic() + 30
+    while True:
+        after = metric_values(server)
+        if after["fw:num_requests_running"] == 0 and after["fw:kv_cache_usage_perc"] == 0.0:
+            break
+        assert time.monotonic() < deadline, after
+        time.sleep(0.2)
+    assert after["fw:num_requests_waiting"] == 0
+    assert after["fw:generation_tokens_total"] >= before["fw:generation_tokens_total"] + 32 * 12
+
+
+BAD_INPUTS = [
+    ("malformed json", b"{not json", 400, None),
+    ("wrong type", {"model": "tiny", "messages": "hello"}, 400, "messages"),
+    ("unknown field", {**chat_body("hi"), "frobnicate": True}, 400, "frobnicate"),
+    ("unknown model", {**chat_body("hi"), "model": "gpt-9"}, 404, "model"),
+    ("prompt too long", chat_body("word " * 400), 400, None),
+    ("max_tokens beyond context", chat_body("hi", max_tokens=1000), 400, None),
+    ("temperature out of range", chat_body("hi", temperature=3.5), 400, "temperature"),
+    ("top_p out of range", chat_body("hi", top_p=0), 400, "top_p"),
+    ("negative max_tokens", chat_body("hi", max_tokens=-1), 400, "max_tokens"),
+    ("empty messages", {"model": "tiny", "messages": []}, 400, "messages"),
+    ("bad role", {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, None),
+    ("invalid schema", chat_body("hi", response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+     400, None),
+    ("bad logit bias", chat_body("hi", logit_bias={"5": 500}), 400, "logit_bias"),
+    ("tools", chat_body("hi", tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+]
+
+
+@pytest.mark.parametrize(("name", "body", "status", "param"), BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, name, body, status, param):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    resp = httpx.post(f"{server}/v1/chat/completions", timeout=60, **kwargs)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["message"] and error["type"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert error["param"] == param, error
+    ok = httpx.post(f"{server}/v1/chat/completions", json=chat_body("hi", max_tokens=2), timeout=60)
+    assert ok.status_code == 200
+
+
+def test_completion_bad_inputs(server):
+    cases = [
+        ({"model": "tiny", "prompt": ""}, 400),
+        ({"model": "tiny", "prompt": [999999]}, 400),
+        ({"model": "tiny", "prompt": "hi", "n": 0}, 400),
+        ({"model": "tiny", "prompt": "hi", "logprobs": 9}, 400),
+        ({"model": "tiny", "prompt": "hi", "guided_regex": "(unclosed"}, 400),
+    ]
+    for body, status in cases:
+        resp = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+        assert resp.status_code == status, (body, resp.text)
+        assert "message" in resp.json()["error"]
+
+
+def test_metrics_parse_and_move(server):
+    before = metric_values(server)
+    httpx.post(f"{server}/v1/completions", json={"model": "tiny", "prompt": "count me", "max_tokens": 3,
+                                                 "ignore_eos": True}, timeout=60)
+    after = metric_values(server)
+    assert after["fw:prompt_tokens_total"] > before["fw:prompt_tokens_total"]
+    assert after["fw:generation_tokens_total"] == before["fw:generation_tokens_total"] + 3
+    assert after["fw:e2e_request_latency_seconds_count"] == before["fw:e2e_request_latency_seconds_count"] + 1
+    assert after["fw:time_to_first_token_seconds_count"] > before["fw:time_to_first_token_seconds_count"]
+    assert after["fw:prefix_cache_queries_total"] > before["fw:prefix_cache_queries_total"]
+    for name in ("fw:num_requests_running", "fw:num_requests_waiting", "fw:kv_cache_usage_perc"):
+        assert name in after
+
+
+def test_api_key(tiny):
+    with fw_serve("--model", tiny, "--num-kv-blocks", "64", "--max-model-len", "128",
+                  env={"FW_SERVER__API_KEY": "sekret"}) as (base, _):
+        assert httpx.get(f"{base}/v1/models").status_code == 401
+        wrong = httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert httpx.get(f"{base}/health").status_code == 200
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny):
+    with fw_serve("--model", tiny, "--served-model-name", "tiny", "--num-kv-blocks", "64", "--max-model-len", "128") as (base, proc):
+
+        async def one():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await stream_chat(client, base, chat_body("hi", max_tokens=40, ignore_eos=True, stream=True,
+                                                                 stream_options={"include_usage": True}))
+
+        async def scenario():
+            task = asyncio.create_task(one())
+            await asyncio.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            return await task
+
+        text, usage = asyncio.run(scenario())
+        assert usage["completion_tokens"] == 40
+        assert proc.wait(timeout=60) == 0
