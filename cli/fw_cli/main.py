@@ -11,6 +11,7 @@ import click
 
 from fw import __version__, plugins
 from fw.config import ResolvedConfig, show
+from fw_cli.bench import bench
 from fw_cli.options import config_options
 
 
@@ -208,6 +209,9 @@ def serve(resolved: ResolvedConfig) -> None:
     click.echo(f"fw serve: model {name!r} ({model}), max_model_len {engine.max_model_len}", err=True)
     click.echo(f"fw serve: listening on http://{host}:{port}/v1", err=True)
     run(server, host, port)
+
+
+cli.add_command(bench)
 
 
 def main() -> None:
