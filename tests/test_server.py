@@ -141,7 +141,7 @@ def test_64_concurrent_streams_then_half_cancelled(server):
             return await asyncio.gather(*tasks)
 
     results = asyncio.run(run(cancel_half=False))
-    for i, (text, usage) in enumerate(results):
+    for i, (_text, usage) in enumerate(results):
         assert usage["completion_tokens"] == 12, i
         assert usage["prompt_tokens"] > 5
     for i, ref in enumerate(expected):  # nothing mixed: streamed text equals each prompt's own answer
@@ -250,3 +250,28 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny):
         text, usage = asyncio.run(scenario())
         assert usage["completion_tokens"] == 40
         assert proc.wait(timeout=60) == 0
+
+
+def test_bench_serve_against_fw_serve(server, tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "fw_cli", "bench", "serve", "--base-url", f"{server}/v1", "--num-prompts", "8",
+         "--input-len", "8", "--output-len", "6", "--max-concurrency", "4", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert data["completed"] == 8 and data["failed"] == 0
+    assert data["output_throughput"] > 0 and data["ttft_ms_p50"] <= data["e2e_ms_p50"]
+    assert "tpot_ms_p99" in result.stdout
+
+
+@pytest.mark.parametrize("kind", ["latency", "throughput"])
+def test_offline_bench_commands(tiny, kind):
+    args = ["--input-len", "8", "--output-len", "4", "--num-kv-blocks", "64", "--max-model-len", "64", "--json"]
+    args += ["--num-iters", "2"] if kind == "latency" else ["--num-prompts", "4"]
+    result = subprocess.run([sys.executable, "-m", "fw_cli", "bench", kind, "--model", tiny, *args],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert (data["decode_tokens_per_s"] if kind == "latency" else data["output_tokens_per_s"]) > 0

@@ -115,3 +115,115 @@ def latency(resolved: ResolvedConfig, input_len: int, output_len: int, num_iters
         },
         as_json,
     )
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p95": float("nan"), "p99": float("nan")}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+    return {"p50": pick(0.50), "p95": pick(0.95), "p99": pick(0.99)}
+
+
+async def _one_request(client, url: str, body: dict) -> dict:
+    """Stream one completion; per-chunk arrival times give TTFT and inter-token latencies."""
+    start = time.perf_counter()
+    arrivals, output_tokens, error = [], None, None
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+            else:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    data = json.loads(line[6:])
+                    if data.get("usage"):
+                        output_tokens = data["usage"]["completion_tokens"]
+                    if any(c.get("text") for c in data.get("choices", [])):
+                        arrivals.append(time.perf_counter())
+    except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
+        error = f"{type(exc).__name__}: {exc}"
+    end = time.perf_counter()
+    return {"start": start, "end": end, "arrivals": arrivals, "output_tokens": output_tokens or len(arrivals),
+            "error": error}
+
+
+@bench.command("serve")
+@click.option("--base-url", default="http://127.0.0.1:8000/v1", show_default=True, help="Any OpenAI-compatible server.")
+@click.option("--model", "model_name", default=None, help="Model name to send (default: the server's first model).")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True, help="Prompt length in words.")
+@click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--max-concurrency", type=click.IntRange(min=1), default=None, help="Requests in flight at most.")
+@click.option("--request-rate", type=float, default=float("inf"), show_default=True,
+              help="Poisson arrivals per second (inf: all at once, bounded by --max-concurrency).")
+@click.option("--slo-ttft-ms", type=float, default=None, help="Goodput: a request counts only if its TTFT is below.")
+@click.option("--slo-tpot-ms", type=float, default=None, help="Goodput: ... and its TPOT is below.")
+@click.option("--api-key", default=None, envvar="OPENAI_API_KEY")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the result here.")
+def serve_bench(base_url, model_name, num_prompts, input_len, output_len, max_concurrency, request_rate,
+                slo_ttft_ms, slo_tpot_ms, api_key, seed, json_path) -> None:
+    """Load an OpenAI-compatible server (ours, vLLM's, SGLang's) with streaming completions."""
+    import asyncio
+
+    import httpx
+
+    rng = random.Random(seed)
+    words = ["alpha", "river", "stone", "quiet", "metal", "orange", "window", "seven", "cloud", "paper"]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def run() -> tuple[list[dict], float]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600), headers=headers,
+                                     limits=httpx.Limits(max_connections=max_concurrency or num_prompts)) as client:
+            name = model_name or (await client.get(f"{base_url}/models")).json()["data"][0]["id"]
+            limit = asyncio.Semaphore(max_concurrency or num_prompts)
+
+            async def guarded(body):
+                async with limit:
+                    return await _one_request(client, f"{base_url}/completions", body)
+
+            tasks, start = [], time.perf_counter()
+            with click.progressbar(length=num_prompts, label="requests", file=click.get_text_stream("stderr")) as bar:
+                for _ in range(num_prompts):
+                    body = {"model": name, "prompt": " ".join(rng.choice(words) for _ in range(input_len)),
+                            "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+                            "stream_options": {"include_usage": True}}
+                    tasks.append(asyncio.create_task(guarded(body)))
+                    if request_rate != float("inf"):
+                        await asyncio.sleep(rng.expovariate(request_rate))
+                results = []
+                for task in asyncio.as_completed(tasks):
+                    results.append(await task)
+                    bar.update(1)
+            return results, time.perf_counter() - start
+
+    results, duration = asyncio.run(run())
+    ok = [r for r in results if r["error"] is None and r["arrivals"]]
+    ttft = [1000 * (r["arrivals"][0] - r["start"]) for r in ok]
+    tpot = [1000 * (r["end"] - r["arrivals"][0]) / max(r["output_tokens"] - 1, 1) for r in ok]
+    itl = [1000 * (b - a) for r in ok for a, b in zip(r["arrivals"], r["arrivals"][1:], strict=False)]
+    e2e = [1000 * (r["end"] - r["start"]) for r in ok]
+    good = [r for r, t, p in zip(ok, ttft, tpot, strict=True)
+            if (slo_ttft_ms is None or t <= slo_ttft_ms) and (slo_tpot_ms is None or p <= slo_tpot_ms)]
+    out_tokens = sum(r["output_tokens"] for r in ok)
+    result = {
+        "base_url": base_url, "num_prompts": num_prompts, "completed": len(ok), "failed": len(results) - len(ok),
+        "duration_s": duration, "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "goodput_requests_per_s": len(good) / duration,
+        **{f"ttft_ms_{k}": v for k, v in _percentiles(ttft).items()},
+        **{f"tpot_ms_{k}": v for k, v in _percentiles(tpot).items()},
+        **{f"itl_ms_{k}": v for k, v in _percentiles(itl).items()},
+        **{f"e2e_ms_{k}": v for k, v in _percentiles(e2e).items()},
+    }
+    errors = [r["error"] for r in results if r["error"]]
+    if errors:
+        click.echo(f"{len(errors)} request(s) failed, e.g. {errors[0]}", err=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+    _report(result, as_json=False)

@@ -20,6 +20,7 @@ from fw_cli.options import config_options
 def cli() -> None:
     """Flywheel: a plugin-based LLM inference engine."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 # --- fw plugins ------------------------------------------------------------
