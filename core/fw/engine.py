@@ -74,7 +74,6 @@ class LLMEngine:
         self.selected = {kind: spec.name for kind, spec in result.selected.items()}
         self.generators: dict[str, torch.Generator] = {}
         self.logits_processors: dict[str, list] = {}
-        self.requests: dict[str, Request] = {}
         # Parallel sampling (n > 1): the client's request id -> its n sequences, which run as requests.
         self.groups: dict[str, list[Request]] = {}
         self._ids = itertools.count()
@@ -134,7 +133,6 @@ class LLMEngine:
             sequences.append(seq)
         self.groups[request_id] = sequences
         for seq in sequences:
-            self.requests[seq.request_id] = seq
             self.scheduler.add(seq)
         self.hook.fw_request_added(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params)
         return request_id
@@ -287,7 +285,6 @@ class LLMEngine:
 
     def _forget(self, seq: Request) -> None:
         """Drop a finished sequence's per-request state everywhere."""
-        self.requests.pop(seq.request_id, None)
         self.generators.pop(seq.request_id, None)
         self.logits_processors.pop(seq.request_id, None)
         self.sampler.remove_request(seq.request_id)
