@@ -1,0 +1,155 @@
+"""GGUF checkpoints in fw: the file's config, tensors and tokenizer, and linear layers over ggml blocks.
+
+Packed weights. A quantized linear layer keeps one flat uint8 parameter, ``weight``: the ggml blocks
+of each fused sub-matrix (q, k, v or gate, up), one after the other, each as ``[rows, row_bytes]``
+in the file's row-major order. Sub-matrices of one layer may have different types (llama.cpp's
+``*_K_M`` mixes put v in Q6_K next to q and k in Q4_K); the layout is fixed when the layer is built,
+from the ggml types that the checkpoint config's ``quantization_config["tensor_types"]`` lists per
+Hugging Face tensor name. ``apply`` dequantizes the blocks into the activation dtype and multiplies.
+Layers whose weights are all plain floats (F32/F16/BF16), and every layer with ``dequantize=True``,
+hold a dense ``[out, in]`` weight instead, filled by dequantizing each tensor as it is loaded.
+
+Tensor parallelism: blocks run along the input dimension, so a rank's output rows are whole rows of
+blocks, and a row-parallel layer's input split is a byte range of every row as long as it falls on a
+block boundary (checked when the layer is built).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from itertools import groupby
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from fw.interfaces.quant import LinearMethod, QuantMethod
+from fw.layers.utils import check_shape
+from fw.model_loader import ModelLoadError
+from fw.tokenizer import Tokenizer
+from fw_quant_gguf import checkpoint, tokenizer
+from fw_quant_gguf.dequant import FLOAT_TYPES, dequantize, row_bytes
+
+# fw's fused linear layers (fw.models.llama) and the checkpoint tensors they hold, in shard order.
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# Weights dequantized at a time in apply(): bounds the float temporaries of a large layer (64 MiB in fp32).
+_CHUNK_WEIGHTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """One sub-matrix's blocks within the flat ``weight``: ``rows`` rows of ``row_bytes``, from byte ``offset``."""
+
+    qtype: GGMLQuantizationType
+    offset: int
+    rows: int
+    row_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+def _shard_index(layer: nn.Module, shard_id: Any) -> int:
+    return 0 if shard_id is None else layer.shard_ids.index(shard_id)
+
+
+class GGUFLinearMethod(LinearMethod):
+    """One linear layer whose sub-matrices have the ggml types ``shard_types``."""
+
+    def __init__(self, shard_types: list[GGMLQuantizationType], dequantize_at_load: bool) -> None:
+        self.shard_types = shard_types
+        self.dense = dequantize_at_load or all(t in FLOAT_TYPES for t in shard_types)
+        self.shards: list[_Shard] = []
+        # What apply() dequantizes at a time: rows of adjacent shards of one type, at most _CHUNK_WEIGHTS weights.
+        self.chunks: list[_Shard] = []
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype
+    ) -> None:
+        if len(output_sizes) != len(self.shard_types):
+            raise ModelLoadError(
+                f"{layer.prefix}: {len(output_sizes)} sub-matrices, but GGUF types for {len(self.shard_types)}"
+            )
+        if self.dense:
+            weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
+            weight.output_dim, weight.input_dim = 0, 1
+            weight.weight_loader = partial(self._load_dense, layer)
+        else:
+            offset = 0
+            for qtype, rows in zip(self.shard_types, output_sizes, strict=True):
+                try:
+                    width = row_bytes(qtype, input_size)
+                except ValueError as exc:
+                    split = " (the tensor-parallel split of its input features must fall on block boundaries)"
+                    raise ModelLoadError(f"{layer.prefix}: {exc}{split if layer.input_is_parallel else ''}") from None
+                self.shards.append(_Shard(qtype, offset, rows, width))
+                offset += rows * width
+            step = max(1, _CHUNK_WEIGHTS // input_size)
+            for qtype, group in groupby(self.shards, key=lambda s: s.qtype):
+                group = list(group)
+                rows, width = sum(s.rows for s in group), group[0].row_bytes
+                for start in range(0, rows, step):
+                    count = min(step, rows - start)
+                    self.chunks.append(_Shard(qtype, group[0].offset + start * width, count, width))
+            weight = nn.Parameter(torch.empty(offset, dtype=torch.uint8), requires_grad=False)
+            # Sharded and placed by _load_packed itself: the generic loader cannot cut a flat mix of layouts.
+            weight.output_dim = weight.input_dim = None
+            weight.weight_loader = partial(self._load_packed, layer)
+        layer.register_parameter("weight", weight)
+
+    def _load_dense(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        qtype = self.shard_types[_shard_index(layer, shard_id)]
+        layer.weight_loader(param, dequantize(loaded.to(param.device), qtype, param.dtype), shard_id)
+
+    def _load_packed(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        idx = _shard_index(layer, shard_id)
+        shard = self.shards[idx]
+        if layer.output_is_parallel:
+            loaded = loaded.narrow(0, layer.shard_ranks[idx] * shard.rows, shard.rows)
+        if layer.input_is_parallel:
+            loaded = loaded.narrow(1, layer.tp.rank * shard.row_bytes, shard.row_bytes)
+        check_shape((shard.rows, shard.row_bytes), loaded, f"{layer.prefix}, shard {shard_id}, {shard.qtype.name}")
+        param.data[shard.offset : shard.offset + shard.nbytes].view(shard.rows, shard.row_bytes).copy_(loaded)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.dense:
+            return F.linear(x, layer.weight, bias)
+
+        def weight(c: _Shard) -> torch.Tensor:
+            return dequantize(layer.weight[c.offset : c.offset + c.nbytes].view(c.rows, c.row_bytes), c.qtype, x.dtype)
+
+        if len(self.chunks) == 1:
+            return F.linear(x, weight(self.chunks[0]), bias)
+        out = torch.cat([F.linear(x, weight(c)) for c in self.chunks], dim=-1)
+        return out if bias is None else out + bias
+
+
+class GGUFMethod(QuantMethod):
+    def __init__(self, options: Any = None, quant_config: dict[str, Any] | None = None) -> None:
+        super().__init__(options, quant_config)
+        self.tensor_types: dict[str, str] = self.quant_config.get("tensor_types", {})
+        self.dequantize_at_load = bool(options is not None and options.dequantize)
+
+    def get_linear_method(self, prefix: str) -> LinearMethod:
+        parent, _, leaf = prefix.rpartition(".")
+        types = []
+        for part in _FUSED.get(leaf, (leaf,)):
+            name = f"{parent}.{part}.weight"
+            if name not in self.tensor_types:
+                raise ModelLoadError(f"the GGUF file has no tensor for {name}")
+            types.append(GGMLQuantizationType[self.tensor_types[name]])
+        return GGUFLinearMethod(types, self.dequantize_at_load)
+
+    def checkpoint_config(self, model_path: str) -> dict[str, Any]:
+        return checkpoint.hf_config(checkpoint.open_reader(model_path))
+
+    def load_checkpoint(self, model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+        return checkpoint.iter_tensors(model_path)
+
+    def load_tokenizer(self, model_path: str) -> Tokenizer:
+        return tokenizer.load(checkpoint.open_reader(model_path))
