@@ -93,3 +93,9 @@ def test_plugin_options_and_api_key_are_not_echoed():
         from fw.config import parse_plugin_options
 
         parse_plugin_options(["mass=0.9"])
+
+
+def test_plugin_options_alone_keep_the_slot_default_name():
+    resolved = load_config(cli={"quant": {"options": {"dequantize": "true"}}})
+    assert resolved.config.quant.name == "auto" and resolved.config.quant.options == {"dequantize": "true"}
+    assert resolved.source("quant.name") == "default"

@@ -130,7 +130,7 @@ class FwConfig(BaseSettings):
     quant: PluginChoice = _choice("auto", "Quantization plugin; auto follows the checkpoint.")
     comm: PluginChoice = _choice("torch", "Communication plugin for multi-process runs.")
     kv_connector: PluginChoice = _choice(None, "KV connector plugin (none by default).")
-    sampler: PluginChoice = _choice("default", "Sampler plugin.")
+    sampler: PluginChoice = _choice("auto", "Sampler plugin; auto picks the most capable one installed.")
     server: ServerSection = Field(default_factory=ServerSection)
 
     def plugin_choice(self, kind: str) -> PluginChoice:
@@ -292,7 +292,8 @@ def load_config(
 ) -> ResolvedConfig:
     """Merge the sources and validate. ``cli`` is a nested dict; ``cli_flags`` maps its paths to flag names."""
     cls = config_class()
-    merged: dict[str, Any] = {}
+    # Plugin slots start from their defaults, so that setting only a slot's options keeps its default name.
+    merged: dict[str, Any] = {f: cls.model_fields[f].default_factory().model_dump() for f in SLOTS.values()}
     sources: dict[str, str] = {}
     for path in files:
         _merge(merged, _file_values(cls, path), path, sources)
