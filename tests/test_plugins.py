@@ -95,7 +95,7 @@ def test_unsupported_kv_cache_dtype_is_rejected():
 def test_valid_combination_passes_and_auto_resolves():
     result = run_fw("plugins", "check", "--device", "cpu")
     assert result.returncode == 0, result.stderr
-    assert "attention: torch" in result.stdout and "sampler: default" in result.stdout
+    assert "attention: torch" in result.stdout and "sampler: outlines" in result.stdout
 
 
 def test_broken_discovered_plugin_is_a_warning(fake_site):
@@ -143,7 +143,7 @@ def test_allow_and_deny_lists():
     denied = run_fw("plugins", "list", "--json", env={"FW_DISABLE_PLUGINS": "sampler:default"})
     rows = {(r["kind"], r["name"]): r["status"] for r in json.loads(denied.stdout)}
     assert rows[("sampler", "default")] == "disabled" and rows[("comm", "torch")] == "ok"
-    result = run_fw("plugins", "check", "--device", "cpu", env={"FW_DISABLE_PLUGINS": "default"})
+    result = run_fw("plugins", "check", "--device", "cpu", "--sampler", "default", env={"FW_DISABLE_PLUGINS": "default"})
     assert result.returncode == 1 and "'default' is disabled" in result.stderr
     allowed = run_fw("plugins", "list", "--json", env={"FW_PLUGINS": "torch"})
     rows = {(r["kind"], r["name"]): r["status"] for r in json.loads(allowed.stdout)}

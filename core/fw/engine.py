@@ -174,6 +174,8 @@ class LLMEngine:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
+            if self.scheduler.waiting:  # waiting on per-request preparation (a grammar compiling): don't spin
+                time.sleep(0.002)
             return []
         inputs = self.scheduler.step_inputs(batch)
         logits = self.executor.execute(inputs)

@@ -1,0 +1,1 @@
+"""Structured output (JSON schema, JSON object, regex, choice) on top of the default sampler, via outlines-core."""

@@ -1,0 +1,218 @@
+"""Structured output: the default sampler, with tokens that would break the constraint masked out.
+
+Lifecycle of a constrained request (one with ``SamplingParams.structured_outputs``;
+requests without it cost nothing here):
+
+* ``add_request`` turns the constraint into a regex and validates it on the
+  caller's thread, raising ``ValueError("invalid JSON schema: ...")`` /
+  ``("invalid regex: ...")`` before admission. It then compiles the regex
+  against the tokenizer's vocabulary into an outlines-core ``Index`` on a
+  background thread pool (outlines-core releases the GIL, so the engine keeps
+  stepping other requests). Compiled indexes are shared through an LRU keyed by
+  (constraint, tokenizer), so repeated schemas compile once.
+* ``is_ready`` is False while that compilation runs; the scheduler waits.
+* A compilation that *fails* (a pattern inside a schema, or a regex feature,
+  that outlines-core rejects after the up-front checks passed) makes the request
+  ready anyway: its first ``constrain`` allows only EOS, so it finishes at once
+  with an empty output instead of failing the whole batch, and the reason is
+  logged and kept: ``error(request_id)`` returns it until ``remove_request``,
+  for the engine to attach to the request's output. Failures stay in the LRU
+  like successes (they are deterministic). The same happens if the output ever
+  leaves the constraint (a token the mask did not allow was forced in).
+* ``constrain`` (the default sampler's hook, after penalties/bias, before
+  temperature and truncation) advances each request's automaton by the tokens
+  appended since the previous step. It remembers the tokens it consumed, so an
+  output that got shorter or changed (preemption, recompute) replays from the
+  initial state. EOS is allowed only in accepting states; after EOS (with
+  ``ignore_eos``) only EOS stays allowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from weakref import WeakKeyDictionary
+
+import outlines_core
+import torch
+
+from fw_sampler_default.sampler import DefaultSampler
+from fw_sampler_outlines.constraints import check_regex, choice_regex, json_object_regex, schema_regex
+from fw_sampler_outlines.spec import OutlinesOptions
+from fw_sampler_outlines.vocab import token_bytes
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from fw.interfaces.sampler import SamplingBatch
+    from fw.sampling_params import SamplingParams, StructuredOutputsParams
+    from fw.tokenizer import Tokenizer
+
+log = logging.getLogger("fw.sampler.outlines")
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, W] int32 words (bit j of word w: token 32w + j, as outlines-core writes them) -> [B, vocab] bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(bitmask.shape[0], -1)[:, :vocab]
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    index: outlines_core.Index
+    words: int  # int32 words a mask needs to cover every token id of the vocabulary
+
+
+@dataclass(eq=False)
+class _Constraint:
+    compiled: Future[_Compiled]
+    eos_token_id: int
+    guide: outlines_core.Guide | None = None
+    words: int = 0
+    consumed: list[int] = field(default_factory=list)  # output tokens the guide has advanced through
+    ended: bool = False  # EOS consumed: nothing but EOS may follow
+    error: str | None = None
+
+
+class OutlinesSampler(DefaultSampler):
+    def __init__(self, options: BaseModel | None = None) -> None:
+        super().__init__(options if options is not None else OutlinesOptions())
+        self._pool = ThreadPoolExecutor(self.options.compile_threads, thread_name_prefix="fw-outlines-compile")
+        self._compiled: OrderedDict[tuple[Any, ...], Future[_Compiled]] = OrderedDict()
+        self._requests: dict[str, _Constraint] = {}
+        # Built on the compile threads, once per tokenizer.
+        self._vocabularies: WeakKeyDictionary[Tokenizer, tuple[outlines_core.Vocabulary, int]] = WeakKeyDictionary()
+        self._vocabulary_lock = threading.Lock()
+
+    # --- lifecycle ------------------------------------------------------------
+
+    def add_request(self, request_id: str, params: SamplingParams, tokenizer: Tokenizer) -> None:
+        constraint = params.structured_outputs
+        if constraint is None:
+            return
+        if tokenizer.eos_token_id is None:
+            raise ValueError("structured output needs a tokenizer with an EOS token")
+        key = (constraint.key(), tokenizer)
+        future = self._compiled.get(key)
+        if future is None:
+            future = self._pool.submit(self._compile, self._regex(constraint), tokenizer)
+            self._compiled[key] = future
+            if len(self._compiled) > self.options.cache_size:
+                self._compiled.popitem(last=False)  # requests still compiling it hold their own future
+        else:
+            self._compiled.move_to_end(key)
+        self._requests[request_id] = _Constraint(future, tokenizer.eos_token_id)
+
+    def is_ready(self, request_id: str) -> bool:
+        constraint = self._requests.get(request_id)
+        return constraint is None or constraint.compiled.done()
+
+    def remove_request(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def error(self, request_id: str) -> str | None:
+        """Why a constrained request was ended with EOS instead of being constrained, or None."""
+        constraint = self._requests.get(request_id)
+        return constraint.error if constraint is not None else None
+
+    # --- compiling --------------------------------------------------------------
+
+    def _regex(self, constraint: StructuredOutputsParams) -> str:
+        if constraint.json is not None:
+            return schema_regex(constraint.json, self.options.whitespace_pattern)
+        if constraint.json_object:
+            return json_object_regex(self.options.whitespace_pattern)
+        if constraint.regex is not None:
+            check_regex(constraint.regex)
+            return constraint.regex
+        return choice_regex(constraint.choice)
+
+    def _compile(self, regex: str, tokenizer: Tokenizer) -> _Compiled:
+        vocabulary, words = self._vocabulary(tokenizer)
+        return _Compiled(outlines_core.Index(regex, vocabulary), words)
+
+    def _vocabulary(self, tokenizer: Tokenizer) -> tuple[outlines_core.Vocabulary, int]:
+        with self._vocabulary_lock:
+            if tokenizer not in self._vocabularies:
+                eos = tokenizer.eos_token_id
+                by_bytes: dict[bytes, list[int]] = {}
+                mapping = token_bytes(tokenizer.backend)
+                for token_id, data in mapping.items():
+                    if token_id != eos:  # outlines-core adds EOS itself, to accepting states only
+                        by_bytes.setdefault(data, []).append(token_id)
+                top = max([eos, *mapping])
+                self._vocabularies[tokenizer] = (outlines_core.Vocabulary(eos, by_bytes), top // 32 + 1)
+            return self._vocabularies[tokenizer]
+
+    # --- masking ----------------------------------------------------------------
+
+    def _advance(self, request_id: str, constraint: _Constraint, output: list[int]) -> None:
+        """Bring the guide to the state after ``output``, replaying from the start if the output changed."""
+        if constraint.guide is None:
+            try:
+                compiled = constraint.compiled.result()  # blocks only if scheduled before is_ready
+            except Exception as e:
+                self._fail(request_id, constraint, f"the constraint failed to compile: {e}")
+                return
+            constraint.guide = outlines_core.Guide(compiled.index)
+            constraint.words = compiled.words
+        done = len(constraint.consumed)
+        if output[:done] != constraint.consumed:
+            constraint.guide.reset()
+            constraint.consumed, constraint.ended, done = [], False, 0
+        for token in output[done:]:
+            if token == constraint.eos_token_id:
+                constraint.ended = True
+            elif not constraint.ended:
+                try:
+                    constraint.guide.advance(token, return_tokens=False)
+                except ValueError:
+                    self._fail(request_id, constraint, f"token {token} at output position {done} breaks the constraint")
+                    return
+            constraint.consumed.append(token)
+            done += 1
+
+    def _fail(self, request_id: str, constraint: _Constraint, reason: str) -> None:
+        constraint.error = reason
+        log.warning("structured output of request %s ended: %s", request_id, reason)
+
+    def constrain(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        rows: list[tuple[int, _Constraint]] = []
+        for row, (request_id, params) in enumerate(zip(batch.request_ids, batch.params, strict=True)):
+            constraint = self._requests.get(request_id)
+            if constraint is not None:
+                if constraint.error is None:
+                    self._advance(request_id, constraint, batch.output_token_ids[row])
+                rows.append((row, constraint))
+            elif params.structured_outputs is not None:
+                raise RuntimeError(f"request {request_id} has structured_outputs but was never passed to add_request")
+        if not rows:
+            return logits
+        vocab = logits.shape[-1]
+        words = max([-(-vocab // 32), *(c.words for _, c in rows)])
+        # All ones: unconstrained rows keep every token.
+        bitmask = torch.full((len(batch.request_ids), words), -1, dtype=torch.int32)
+        forced_eos = []
+        for row, constraint in rows:
+            if constraint.error is not None or constraint.ended:
+                forced_eos.append((row, constraint.eos_token_id))
+            else:
+                bitmask[row].zero_()
+                constraint.guide.write_mask_into(bitmask[row].data_ptr(), constraint.words, 4)
+        allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab)
+        for row, eos in forced_eos:
+            allowed[row] = False
+            allowed[row, eos] = True
+        masked = torch.where(allowed, logits, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+        # min_tokens bans EOS before this hook; where the constraint allows nothing else (it is complete), the
+        # row would have no token left: let it end.
+        row_ids = torch.tensor([row for row, _ in rows], device=logits.device)
+        eos_ids = torch.tensor([c.eos_token_id for _, c in rows], device=logits.device)
+        stuck = masked.isneginf().all(dim=-1)[row_ids]
+        at_eos = masked[row_ids, eos_ids]
+        masked[row_ids, eos_ids] = torch.where(stuck, torch.zeros_like(at_eos), at_eos)
+        return masked
