@@ -8,9 +8,9 @@ import subprocess
 
 import jsonschema
 import pytest
+from test_server import fw_serve
 
 from conftest import REPO
-from test_server import fw_serve
 
 SCHEMA = {
     "type": "object",
