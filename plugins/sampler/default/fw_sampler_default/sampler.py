@@ -92,14 +92,16 @@ def apply_top_k_top_p_min_p(
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Gumbel-max in exponential form: argmax(p / E) with E ~ Exp(1) samples from p.
+    """Gumbel-max in exponential form: argmax(p / E) with E = -log U ~ Exp(1) samples from p.
 
-    Seeded rows draw their noise from their own generator, so their tokens don't depend on the batch.
+    Uniforms, because torch's exponential_() is several times slower than rand on CPU. Seeded rows draw
+    their noise from their own generator, so their tokens don't depend on the batch.
     """
-    noise = torch.empty_like(probs).exponential_()
+    uniform = torch.rand_like(probs)
     for row, gen in enumerate(generators):
         if gen is not None:
-            noise[row].exponential_(generator=gen)
+            uniform[row] = torch.rand(probs.shape[-1], generator=gen, device=probs.device, dtype=probs.dtype)
+    noise = uniform.clamp_(min=torch.finfo(probs.dtype).tiny).log_().neg_()
     return (probs / noise).argmax(dim=-1)
 
 
@@ -109,7 +111,9 @@ class DefaultSampler(Sampler):
         return logits
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        raw_logprobs = logits.log_softmax(dim=-1)
+        raw = logits
+        # Log-probabilities of the raw logits, as vLLM reports them; the full matrix only when top-N is asked.
+        log_norm = logits.logsumexp(dim=-1, keepdim=True)
         logits = apply_penalties(logits, batch)
         logits = apply_logit_bias_and_min_tokens(logits, batch)
         logits = self.constrain(logits, batch)
@@ -118,17 +122,21 @@ class DefaultSampler(Sampler):
             tokens = greedy_tokens
         else:
             params = batch.params
-            temperature = batch.temperature.clamp(min=GREEDY_EPS).unsqueeze(-1)
-            top_k = torch.tensor([p.top_k for p in params], device=logits.device)
-            top_p = _row_tensor([p.top_p for p in params], logits)
-            min_p = _row_tensor([p.min_p for p in params], logits)
-            probs = apply_top_k_top_p_min_p(logits / temperature, top_k, top_p, min_p).softmax(dim=-1)
+            scaled = logits / batch.temperature.clamp(min=GREEDY_EPS).unsqueeze(-1)
+            # The truncations need a full-vocabulary sort: skip it when no row asks for one.
+            if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+                top_k = torch.tensor([p.top_k for p in params], device=logits.device)
+                top_p = _row_tensor([p.top_p for p in params], logits)
+                min_p = _row_tensor([p.min_p for p in params], logits)
+                scaled = apply_top_k_top_p_min_p(scaled, top_k, top_p, min_p)
+            probs = scaled.softmax(dim=-1)
             tokens = torch.where(batch.temperature < GREEDY_EPS, greedy_tokens, draw(probs, batch.generators))
-        chosen = raw_logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        out = SamplerOutput(token_ids=tokens, logprobs=chosen)
+        chosen_logits = raw.gather(-1, tokens.unsqueeze(-1))
+        out = SamplerOutput(token_ids=tokens, logprobs=(chosen_logits - log_norm).squeeze(-1))
         top_n = max((p.logprobs or 0 for p in batch.params), default=0)
         if any(p.logprobs is not None for p in batch.params):
-            out.ranks = (raw_logprobs > chosen.unsqueeze(-1)).sum(dim=-1) + 1
+            out.ranks = (raw > chosen_logits).sum(dim=-1) + 1
             if top_n:
-                out.top_logprobs, out.top_token_ids = raw_logprobs.topk(top_n, dim=-1)
+                top_logits, out.top_token_ids = raw.topk(top_n, dim=-1)
+                out.top_logprobs = top_logits - log_norm
         return out
