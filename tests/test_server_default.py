@@ -66,3 +66,10 @@ def test_readme_curl_example_works_as_written(default_server):
     assert out.returncode == 0, out.stderr
     answer = json.loads(out.stdout)
     assert "Paris" in answer["choices"][0]["message"]["content"]
+
+
+def test_fw_generate_without_model_uses_the_default(fw_cli):
+    result = fw_cli("generate", "--prompt", "The capital of France is", "--max-tokens", "4", "--max-model-len", "256")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("The capital of France is")
+    assert "quant=gguf" in result.stderr  # the start-up line names the plugins the default model selected
