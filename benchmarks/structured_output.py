@@ -34,9 +34,7 @@ SCHEMA = {
 
 def qwen2_32k(path: Path) -> Path:
     """A Qwen2-shaped model (hidden 256, 4 layers) whose tokenizer has 32,000 byte-level BPE tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from fw.testing.models import SPECIAL_TOKENS, make_tiny_model
+    from fw.testing.models import make_tiny_model, train_byte_level_bpe
 
     make_tiny_model(
         "Qwen2ForCausalLM",
@@ -49,17 +47,8 @@ def qwen2_32k(path: Path) -> Path:
         num_key_value_heads=2,
         head_dim=64,
     )
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=32000,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    sources = sorted(str(p) for p in Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))[:600]
-    tokenizer.train(sources, trainer)
+    sources = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))[:600]
+    tokenizer = train_byte_level_bpe((p.read_text(errors="ignore") for p in sources), 32000)
     tokenizer.save(str(path / "tokenizer.json"))  # the same special tokens, so tokenizer_config.json still fits
     return path
 

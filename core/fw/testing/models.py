@@ -10,6 +10,7 @@ drive the engine end to end with text.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -105,21 +106,26 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-@cache
-def _tokenizer_json() -> str:
+def train_byte_level_bpe(texts: Iterable[str], vocab_size: int):
+    """A byte-level BPE ``tokenizers.Tokenizer`` with our special tokens, trained on ``texts``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_CORPUS, trainer)
-    return tokenizer.to_str()
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+@cache
+def _tokenizer_json() -> str:
+    return train_byte_level_bpe(_CORPUS, VOCAB_SIZE).to_str()
 
 
 def write_tokenizer(path: str | Path) -> None:
