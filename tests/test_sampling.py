@@ -247,3 +247,16 @@ def test_request_limits_are_checked(llm):
     greedy = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
     assert tiny.outputs[0].token_ids == greedy.outputs[0].token_ids
     assert math.isfinite(tiny.outputs[0].cumulative_logprob)
+
+
+def test_every_eos_id_of_the_model_stops_generation(tmp_path):
+    import json
+
+    path = make_tiny_model("LlamaForCausalLM", tmp_path / "multi-eos")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 300]}))
+    llm = LLM(path, num_kv_blocks=32, max_model_len=128)
+    assert llm.llm_engine.eos_token_ids >= {0, 300}
+    out = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=10, logit_bias={300: 100}))[0].outputs[0]
+    assert out.token_ids == [300] and out.finish_reason == "stop"
+    kept = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=3, logit_bias={300: 100}, ignore_eos=True))
+    assert kept[0].outputs[0].token_ids == [300, 300, 300]

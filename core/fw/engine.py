@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -43,6 +45,20 @@ class StepStats:
     step_seconds: float
 
 
+def _eos_token_ids(model_path: str, hf_config: dict) -> list[int]:
+    """End-of-sequence ids from config.json and, where present, generation_config.json (an int or a list)."""
+    sources = [hf_config.get("eos_token_id")]
+    generation_config = Path(model_path) / "generation_config.json"
+    if generation_config.is_file():
+        sources.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+    ids: list[int] = []
+    for value in sources:
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return ids
+
+
 class LLMEngine:
     def __init__(self, config: FwConfig) -> None:
         self.config = config
@@ -53,9 +69,12 @@ class LLMEngine:
         if not result.ok:
             raise EngineError(result.report())
         self.hook = plugins.get_plugin_manager().hook
+        eos_ids = _eos_token_ids(config.model.model, hf_config)
         self.tokenizer = model.quant.load_tokenizer(config.model.model) or Tokenizer.from_dir(
-            config.model.tokenizer or config.model.model, hf_config.get("eos_token_id")
+            config.model.tokenizer or config.model.model, eos_ids[0] if eos_ids else None
         )
+        # Every id that ends a sequence (instruct models often have several: end-of-text and end-of-turn).
+        self.eos_token_ids = frozenset(eos_ids) | ({self.tokenizer.eos_token_id} - {None})
         self.max_model_len = config.model.max_model_len or hf_config.get("max_position_embeddings") or 2048
         torch.manual_seed(config.model.seed)
         self.executor = Executor(config, result, hf_config, device.device)
@@ -122,7 +141,7 @@ class LLMEngine:
                 seq_params.include_stop_str_in_output,
             )
             seq = Request(
-                seq_id, token_ids, seq_params, self.tokenizer.eos_token_id, self.max_model_len, priority, text, detok,
+                seq_id, token_ids, seq_params, self.eos_token_ids, self.max_model_len, priority, text, detok,
                 group_id=request_id,
             )
             if seq_params.seed is not None:

@@ -24,7 +24,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()
     max_model_len: int = 1 << 30
     priority: int = 0
     prompt: str | None = None
@@ -70,7 +70,7 @@ class Request:
         may_stop = n >= params.min_tokens
         if may_stop and token in params.stop_token_ids:
             self._finish("stop", token)
-        elif may_stop and not params.ignore_eos and token == self.eos_token_id:
+        elif may_stop and not params.ignore_eos and token in self.eos_token_ids:
             self._finish("stop", None)
         elif may_stop and stop_string is not None:
             self._finish("stop", stop_string)
