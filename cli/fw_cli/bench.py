@@ -12,6 +12,9 @@ import click
 from fw.config import ResolvedConfig
 from fw_cli.options import config_options
 
+# Output tokens of the throughput warm-up batch: enough to reach batched decode.
+_WARMUP_TOKENS = 8
+
 
 @click.group("bench")
 def bench() -> None:
@@ -34,6 +37,10 @@ def _random_prompts(engine, n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
 
+def _median_spread(name: str, values: list[float]) -> dict[str, float]:
+    return {f"{name}_median": statistics.median(values), f"{name}_spread": max(values) - min(values)}
+
+
 def _report(result: dict, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(result, indent=2))
@@ -46,33 +53,56 @@ def _report(result: dict, as_json: bool) -> None:
 @click.option("--num-prompts", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--num-iters", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Timed batches, after a short warm-up batch (medians and spreads over them).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @config_options()
-def throughput(resolved: ResolvedConfig, num_prompts: int, input_len: int, output_len: int, as_json: bool) -> None:
+def throughput(resolved: ResolvedConfig, num_prompts: int, input_len: int, output_len: int, num_iters: int,
+               as_json: bool) -> None:
     """N random-token requests at once, EOS ignored: requests/s and tokens/s."""
     from fw.sampling_params import SamplingParams
 
     engine = _engine(resolved)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    prompts = _random_prompts(engine, num_prompts, input_len, resolved.config.model.seed)
-    start = time.perf_counter()
-    for prompt in prompts:
-        engine.add_request(prompt, params)
-    steps = 0
-    with click.progressbar(length=num_prompts * output_len, label="generating", file=click.get_text_stream("stderr")) as bar:
+    # Fresh prompts for every batch, so the prefix cache does not flatter the repeats.
+    prompts = _random_prompts(engine, (num_iters + 1) * num_prompts, input_len, resolved.config.model.seed)
+    batches = [prompts[i * num_prompts : (i + 1) * num_prompts] for i in range(num_iters + 1)]
+
+    def run(batch: list[list[int]], max_tokens: int, bar=None) -> tuple[float, int]:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        start, steps = time.perf_counter(), 0
+        for prompt in batch:
+            engine.add_request(prompt, params)
         while engine.has_unfinished_requests():
             steps += 1
-            bar.update(len(engine.step()))  # each output of a step carries one new token
-    elapsed = time.perf_counter() - start
+            outputs = engine.step()
+            if bar is not None:
+                bar.update(len(outputs))  # each output of a step carries one new token
+        return time.perf_counter() - start, steps
+
+    # A few tokens of the same batch: its prefill and batched decode run once before the clock does.
+    run(batches[0], min(output_len, _WARMUP_TOKENS))
+    elapsed, steps = [], []
+    with click.progressbar(length=num_iters * num_prompts * output_len, label="generating",
+                           file=click.get_text_stream("stderr")) as bar:
+        for batch in batches[1:]:
+            seconds, n = run(batch, output_len, bar)
+            elapsed.append(seconds)
+            steps.append(n)
     engine.shutdown()
+    output_rates = [num_prompts * output_len / s for s in elapsed]
+    total_rates = [num_prompts * (input_len + output_len) / s for s in elapsed]
     _report(
         {
             "requests": num_prompts,
-            "elapsed_s": elapsed,
-            "requests_per_s": num_prompts / elapsed,
-            "output_tokens_per_s": num_prompts * output_len / elapsed,
-            "total_tokens_per_s": num_prompts * (input_len + output_len) / elapsed,
-            "engine_steps": steps,
+            "iterations": num_iters,
+            # The plain keys are medians over the iterations.
+            "elapsed_s": statistics.median(elapsed),
+            "requests_per_s": statistics.median(num_prompts / s for s in elapsed),
+            "output_tokens_per_s": statistics.median(output_rates),
+            "total_tokens_per_s": statistics.median(total_rates),
+            "engine_steps": statistics.median(steps),
+            **_median_spread("output_tokens_per_s", output_rates),
+            **_median_spread("total_tokens_per_s", total_rates),
         },
         as_json,
     )
@@ -112,6 +142,7 @@ def latency(resolved: ResolvedConfig, input_len: int, output_len: int, num_iters
             "tpot_ms_median": 1000 * statistics.median(tpot),
             "decode_tokens_per_s": 1 / statistics.median(tpot),
             "ttft_ms_spread": 1000 * (max(ttft) - min(ttft)),
+            **_median_spread("decode_tokens_per_s", [1 / t for t in tpot]),
         },
         as_json,
     )
@@ -157,6 +188,8 @@ async def _one_request(client, url: str, body: dict) -> dict:
 @click.option("--model", "model_name", default=None, help="Model name to send (default: the server's first model).")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True, help="Prompt length in words.")
+@click.option("--random-ids", "vocab_size", type=click.IntRange(min=1), default=None, metavar="VOCAB_SIZE",
+              help="Prompts of --input-len random token ids below VOCAB_SIZE, as the offline benches send, not words.")
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=None, help="Requests in flight at most.")
 @click.option("--request-rate", type=float, default=float("inf"), show_default=True,
@@ -166,7 +199,7 @@ async def _one_request(client, url: str, body: dict) -> dict:
 @click.option("--api-key", default=None, envvar="OPENAI_API_KEY")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the result here.")
-def serve_bench(base_url, model_name, num_prompts, input_len, output_len, max_concurrency, request_rate,
+def serve_bench(base_url, model_name, num_prompts, input_len, vocab_size, output_len, max_concurrency, request_rate,
                 slo_ttft_ms, slo_tpot_ms, api_key, seed, json_path) -> None:
     """Load an OpenAI-compatible server (ours, vLLM's, SGLang's) with streaming completions."""
     import asyncio
@@ -190,7 +223,11 @@ def serve_bench(base_url, model_name, num_prompts, input_len, output_len, max_co
             tasks, start = [], time.perf_counter()
             with click.progressbar(length=num_prompts, label="requests", file=click.get_text_stream("stderr")) as bar:
                 for _ in range(num_prompts):
-                    body = {"model": name, "prompt": " ".join(rng.choice(words) for _ in range(input_len)),
+                    if vocab_size:
+                        prompt = [rng.randrange(vocab_size) for _ in range(input_len)]
+                    else:
+                        prompt = " ".join(rng.choice(words) for _ in range(input_len))
+                    body = {"model": name, "prompt": prompt,
                             "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
                             "stream_options": {"include_usage": True}}
                     tasks.append(asyncio.create_task(guarded(body)))
@@ -213,6 +250,7 @@ def serve_bench(base_url, model_name, num_prompts, input_len, output_len, max_co
     out_tokens = sum(r["output_tokens"] for r in ok)
     result = {
         "base_url": base_url, "num_prompts": num_prompts, "completed": len(ok), "failed": len(results) - len(ok),
+        "output_tokens": out_tokens,
         "duration_s": duration, "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
         "goodput_requests_per_s": len(good) / duration,
         **{f"ttft_ms_{k}": v for k, v in _percentiles(ttft).items()},
