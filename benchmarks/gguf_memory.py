@@ -44,12 +44,13 @@ def measure(dequantize: bool) -> dict:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     after = rss()
     model = llm.llm_engine.executor.runner.model
-    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    # The logical weights: packed parameters count the weights their layers compute with.
+    # Parameters and buffers (dense weights live in buffers once packed, the LM head's packed copy too).
+    tensors = [*model.parameters(), *model.buffers()]
+    held = sum(t.numel() * t.element_size() for t in tensors)
+    # The logical weights: each linear layer counts the weights it computes with, whatever its storage.
     linear = [m for m in model.modules() if hasattr(m, "linear_method")]
-    weights = sum(p.numel() for p in model.parameters() if p.is_floating_point()) - sum(
-        m.weight.numel() for m in linear if m.weight.is_floating_point()
-    )
+    stored = {id(m.weight) for m in linear} | {id(b) for n, b in model.named_buffers() if n.endswith("packed_weight")}
+    weights = sum(t.numel() for t in tensors if t.is_floating_point() and id(t) not in stored)
     weights += sum(sum(m.output_partition_sizes) * m.input_size for m in linear)
     return {
         "mode": "dequantize=True" if dequantize else "packed (default)",

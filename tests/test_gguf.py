@@ -481,3 +481,23 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
     texts = ["Hello world", "the  world hello, Hello!", "  leading and trailing  ", "Héllo wörld 你好 🤖", "a\nb\tc"]
     assert_same_tokenization(ours, reference, texts)
     assert ours.encode("hello")[0] == 1
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_native_decode_kernel_matches_dequantize_then_matmul(qtype, dtype):
+    from fw import native
+
+    if not native.load("fw_quant_gguf", fw_quant_gguf.method._SOURCE):
+        pytest.skip("no C++ compiler: the native kernel cannot be built here (the dequantize path serves)")
+    rng = np.random.default_rng(int(qtype))
+    rows, size = 40, 96
+    raw = torch.from_numpy(gguf.quants.quantize(rng.standard_normal((rows, size)).astype(np.float32), qtype).copy())
+    weight = dequantize(raw, qtype).reshape(rows, size)
+    for m in (1, 3, 8):
+        x = torch.from_numpy(rng.standard_normal((m, size)).astype(np.float32)).to(dtype)
+        out = torch.ops.fw_quant_gguf.quant_gemv(x, raw.view(-1), rows, int(qtype))
+        assert out.dtype == dtype and out.shape == (m, rows)
+        expected = x.float() @ weight.T
+        tol = 1e-5 if dtype is torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), expected, atol=tol * 10, rtol=tol)

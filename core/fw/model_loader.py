@@ -86,7 +86,8 @@ def load_model(
     device: str | torch.device = "cpu",
 ) -> nn.Module:
     """Construct ``model_cls`` on ``device`` in ``ctx.dtype``, load every parameter, and let each
-    linear layer's quant method repack its weights."""
+    linear layer's quant method (and each core layer that has a ``process_weights_after_loading``)
+    repack its weights."""
     with torch.device(device):
         model = model_cls(config, ctx)
     loaded = model.load_weights(weights)
@@ -97,4 +98,6 @@ def load_model(
         method: Any = getattr(module, "linear_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+        elif hasattr(module, "process_weights_after_loading"):  # core layers that repack (the LM head)
+            module.process_weights_after_loading()
     return model.eval()

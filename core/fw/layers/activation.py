@@ -6,9 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fw.layers import native_ops
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``x = [gate | up]`` along the last dimension."""
+    if native_ops.usable(x):
+        return torch.ops.fw_layers.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -3,7 +3,9 @@
 Each rank holds a contiguous slice of ``ceil(vocab / tp)`` rows (the last
 rank's tail is zero padding). The embedding looks up the ids it owns and
 all-reduces; the LM head computes its slice of the logits and all-gathers.
-With tied embeddings the head simply shares the embedding's parameter.
+With tied embeddings the head shares the embedding's parameter. On the CPU
+the head multiplies by a oneDNN-packed weight (``fw.layers.dense``): the
+largest matrix of a small model, read in full for every decode step.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fw.distributed import get_tp_group
+from fw.layers import dense
 from fw.layers.utils import check_shape
 
 
@@ -43,9 +46,23 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    tied = False
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        """Share the embedding's table (``tie_word_embeddings``)."""
+        self.weight = embedding.weight
+        self.tied = True
+
+    def process_weights_after_loading(self) -> None:
+        if self.tied:
+            # The embedding lookup needs the plain table: the head packs a copy.
+            self.register_buffer("packed_weight", dense.pack(self.weight), persistent=False)
+        else:
+            dense.pack_parameter(self)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits over the full vocabulary, on every rank."""
-        logits = F.linear(hidden, self.weight)
+        logits = dense.linear(hidden, getattr(self, "packed_weight", self.weight))
         if self.tp.world_size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings].float()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fw.layers import native_ops
 from fw.layers.utils import default_weight_loader
 
 
@@ -26,6 +27,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``."""
+        if native_ops.usable(x):
+            if residual is None:
+                return torch.ops.fw_layers.rms_norm(x, self.weight, self.eps)
+            return torch.ops.fw_layers.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual

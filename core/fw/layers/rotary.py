@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fw.layers import native_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -99,6 +101,11 @@ class RotaryEmbedding(nn.Module):
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq
+        if native_ops.usable(q) and q.stride(-2) == q.shape[-1] and k.stride(-2) == k.shape[-1]:
+            cos = (freqs.cos() * self.attention_scaling).to(q.dtype)
+            sin = (freqs.sin() * self.attention_scaling).to(q.dtype)
+            torch.ops.fw_layers.rotary_neox(q, k, cos, sin)  # in place
+            return q, k
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
         cos = (emb.cos() * self.attention_scaling).to(q.dtype)
         sin = (emb.sin() * self.attention_scaling).to(q.dtype)

@@ -222,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(layers, config, ctx)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=ctx.dtype)
         if config.get("tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie(self.model.embed_tokens)
 
     def attention_specs(self) -> list[AttentionLayerSpec]:
         """One spec per layer, in layer order (index i is the KV cache ``kv_caches[i]``)."""

@@ -6,9 +6,12 @@ into the cache at ``slot_mapping`` and then attends:
 
 - requests with several new tokens (prefill, or a prefill chunk on top of
   cached context) one at a time with ``scaled_dot_product_attention``;
-- all one-token requests (decode) together, in one batched product over
-  their keys padded to the longest; per-request calls would cost more in
-  call overhead than in arithmetic.
+- all one-token requests (decode) together. On the CPU a native kernel
+  (``csrc/paged_decode.cpp``, built on first use) reads their keys and values
+  block by block where they lie in the cache; elsewhere, or without a
+  compiler, one batched product over their keys gathered and padded to the
+  longest (per-request calls would cost more in call overhead than in
+  arithmetic). The gather alone cost more than the whole native kernel.
 
 Query ``j`` of a request with ``seq_len`` S and ``query_len`` Q sits at
 position ``S - Q + j`` and sees the keys up to its own position (with a
@@ -19,11 +22,15 @@ prefill, chunked prefill against cached context, and decode.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from fw import native
 from fw.interfaces.attention import AttentionBackend, AttentionBatch, AttentionLayerSpec
+
+_NATIVE_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 
 
 @dataclass
@@ -36,8 +43,9 @@ class _Prefill:
 @dataclass
 class _Decodes:
     rows: torch.Tensor  # [D] each decode request's query row
-    key_slots: torch.Tensor  # [D, max_len] cache slots, padded (masked out)
-    seq_lens: torch.Tensor  # [D, 1]
+    seq_lens: torch.Tensor  # [D] int32
+    block_tables: torch.Tensor | None  # [D, max_blocks] int32, for the native kernel
+    key_slots: torch.Tensor | None  # [D, max_len] cache slots, padded (masked out), for the torch path
 
 
 @dataclass
@@ -68,7 +76,7 @@ class TorchAttentionMetadata:
         """[D, max_len] boolean: which padded key columns each decode request sees."""
         key = (-1, sliding_window)
         if key not in self._masks:
-            seq_lens = self.decodes.seq_lens
+            seq_lens = self.decodes.seq_lens[:, None]
             k_pos = torch.arange(self.decodes.key_slots.shape[1], device=seq_lens.device)[None, :]
             mask = k_pos < seq_lens
             if sliding_window is not None:
@@ -78,6 +86,9 @@ class TorchAttentionMetadata:
 
 
 class TorchAttention(AttentionBackend):
+    def native_decode(self, device: torch.device) -> bool:
+        return device.type == "cpu" and native.load("fw_attention_torch", _NATIVE_SOURCE)
+
     def prepare(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         block_size = batch.block_size
         device = batch.block_tables.device
@@ -99,18 +110,19 @@ class TorchAttention(AttentionBackend):
                 )
         decodes = None
         if decode_reqs:
-            max_len = max(seq_lens[i] for i in decode_reqs)
-            # Padded columns repeat the request's first key: masked out, but never unwritten (NaN) cache memory,
-            # which would poison the probabilities-times-values product.
-            padded = []
-            for i in decode_reqs:
-                own = slots(i, seq_lens[i])
-                padded.append(torch.cat([own, own[:1].expand(max_len - seq_lens[i])]))
-            decodes = _Decodes(
-                rows=torch.tensor([starts[i] for i in decode_reqs], device=device),
-                key_slots=torch.stack(padded),
-                seq_lens=torch.tensor([[seq_lens[i]] for i in decode_reqs], device=device),
-            )
+            index = torch.tensor(decode_reqs, device=device)
+            rows = batch.query_start_loc[:-1][index].long()
+            if self.native_decode(device):
+                decodes = _Decodes(rows, batch.seq_lens[index], batch.block_tables[index], None)
+            else:
+                max_len = max(seq_lens[i] for i in decode_reqs)
+                # Padded columns repeat the request's first key: masked out, but never unwritten (NaN) cache
+                # memory, which would poison the probabilities-times-values product.
+                padded = []
+                for i in decode_reqs:
+                    own = slots(i, seq_lens[i])
+                    padded.append(torch.cat([own, own[:1].expand(max_len - seq_lens[i])]))
+                decodes = _Decodes(rows, batch.seq_lens[index], None, torch.stack(padded))
         return TorchAttentionMetadata(batch, prefills, decodes)
 
     def forward(
@@ -133,15 +145,26 @@ class TorchAttention(AttentionBackend):
         for i, req in enumerate(metadata.prefills):
             first_key, mask = metadata.prefill_mask(i, layer.sliding_window)
             slots = req.key_slots[first_key:]
-            # [heads, tokens, head_size], the layout sdpa expects.
-            keys = key_cache[slots].transpose(0, 1)
-            values = value_cache[slots].transpose(0, 1)
+            # [1, heads, tokens, head_size]: sdpa takes its fused CPU (flash) kernel only for 4-d inputs;
+            # 3-d ones fall back to the unfused math path, 4-6x slower.
+            keys = key_cache[slots].transpose(0, 1)[None]
+            values = value_cache[slots].transpose(0, 1)[None]
             attn = F.scaled_dot_product_attention(
-                q[req.queries].transpose(0, 1), keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=gqa
+                q[req.queries].transpose(0, 1)[None], keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=gqa
             )
-            out[req.queries] = attn.transpose(0, 1)
-        if metadata.decodes is not None:
-            decodes = metadata.decodes
+            out[req.queries] = attn[0].transpose(0, 1)
+        decodes = metadata.decodes
+        if decodes is not None and decodes.block_tables is not None:
+            out[decodes.rows] = torch.ops.fw_attention_torch.paged_decode(
+                q[decodes.rows],
+                kv_cache[0],
+                kv_cache[1],
+                decodes.block_tables,
+                decodes.seq_lens,
+                layer.scale,
+                layer.sliding_window or 0,
+            )
+        elif decodes is not None:
             out[decodes.rows] = self._decode(
                 layer,
                 q[decodes.rows],

@@ -5,7 +5,8 @@ of each fused sub-matrix (q, k, v or gate, up), one after the other, each as ``[
 in the file's row-major order. Sub-matrices of one layer may have different types (llama.cpp's
 ``*_K_M`` mixes put v in Q6_K next to q and k in Q4_K); the layout is fixed when the layer is built,
 from the ggml types that the checkpoint config's ``quantization_config["tensor_types"]`` lists per
-Hugging Face tensor name. ``apply`` dequantizes the blocks into the activation dtype and multiplies.
+Hugging Face tensor name. ``apply`` dequantizes the blocks into the activation dtype and multiplies; on the CPU, decode-sized
+inputs over Q4_0/Q4_1/Q8_0 blocks instead go to a native kernel that decodes each block as it reads it.
 Layers whose weights are all plain floats (F32/F16/BF16), and every layer with ``dequantize=True``,
 hold a dense ``[out, in]`` weight instead, filled by dequantizing each tensor as it is loaded.
 
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 from itertools import groupby
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +29,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from fw import native
 from fw.interfaces.quant import LinearMethod, QuantMethod
+from fw.layers import dense
 from fw.layers.utils import check_shape
 from fw.model_loader import ModelLoadError
 from fw.tokenizer import Tokenizer
@@ -38,6 +42,12 @@ from fw_quant_gguf.dequant import FLOAT_TYPES, dequantize, row_bytes
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # Weights dequantized at a time in apply(): bounds the float temporaries of a large layer (64 MiB in fp32).
 _CHUNK_WEIGHTS = 1 << 24
+# Decode-sized inputs (at most this many rows) of these types go to the native kernel (csrc/gemv.cpp), which
+# decodes blocks in registers instead of dequantizing whole matrices; it reads the weights once per row of x,
+# so larger batches amortize one dequantization better.
+_NATIVE_MAX_ROWS = 8
+_NATIVE_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
+_SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,7 @@ class GGUFLinearMethod(LinearMethod):
     def __init__(self, shard_types: list[GGMLQuantizationType], dequantize_at_load: bool) -> None:
         self.shard_types = shard_types
         self.dense = dequantize_at_load or all(t in FLOAT_TYPES for t in shard_types)
+        self.native = all(t in _NATIVE_TYPES for t in shard_types)
         self.shards: list[_Shard] = []
         # What apply() dequantizes at a time: rows of adjacent shards of one type, at most _CHUNK_WEIGHTS weights.
         self.chunks: list[_Shard] = []
@@ -116,9 +127,25 @@ class GGUFLinearMethod(LinearMethod):
         check_shape((shard.rows, shard.row_bytes), loaded, f"{layer.prefix}, shard {shard_id}, {shard.qtype.name}")
         param.data[shard.offset : shard.offset + shard.nbytes].view(shard.rows, shard.row_bytes).copy_(loaded)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.dense:
+            dense.pack_parameter(layer)
+
+    def _native_apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        parts = [
+            torch.ops.fw_quant_gguf.quant_gemv(x, layer.weight[s.offset : s.offset + s.nbytes], s.rows, int(s.qtype))
+            for s in self.shards
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.dense:
-            return F.linear(x, layer.weight, bias)
+            return dense.linear(x, layer.weight, bias)
+
+        rows = x.numel() // x.shape[-1]
+        if rows <= _NATIVE_MAX_ROWS and self.native and x.device.type == "cpu" and native.load("fw_quant_gguf", _SOURCE):
+            out = self._native_apply(layer, x.reshape(rows, x.shape[-1])).view(*x.shape[:-1], -1)
+            return out if bias is None else out + bias
 
         def weight(c: _Shard) -> torch.Tensor:
             return dequantize(layer.weight[c.offset : c.offset + c.nbytes].view(c.rows, c.row_bytes), c.qtype, x.dtype)

@@ -1,10 +1,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fw.interfaces.quant import LinearMethod, QuantMethod
+from fw.layers import dense
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -18,7 +18,10 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return dense.linear(x, layer.weight, bias)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        dense.pack_parameter(layer)
 
 
 class Unquantized(QuantMethod):

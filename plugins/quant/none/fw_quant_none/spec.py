@@ -8,6 +8,6 @@ SPEC = PluginSpec(
     impl="fw_quant_none.method:Unquantized",
     capabilities=quant.QuantCapabilities(formats=frozen("none")),
     api_version=quant.API_VERSION,
-    description="Unquantized weights in the model dtype, computed with F.linear.",
+    description="Unquantized weights in the model dtype (bf16 on CPU: prepacked for oneDNN).",
     aliases=("unquantized",),
 )

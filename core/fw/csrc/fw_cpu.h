@@ -1,0 +1,60 @@
+// Helpers shared by fw's native CPU kernels (this directory is on every kernel's include path).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace fw {
+
+using bf16 = uint16_t;  // raw bits
+
+inline float f32(bf16 v) {
+  const uint32_t u = uint32_t(v) << 16;  // bf16 is the top half of a float32
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline bf16 round_bf16(float f) {  // round to nearest even, as torch does; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
+  return (u & 0x7fffffff) > 0x7f800000 ? bf16(0x7fc0) : bf16(rounded);
+}
+
+#if defined(__AVX512F__)
+inline __m512 load_bf16x16(const bf16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+inline __m512 round_bf16x16(__m512 x) {  // round to bf16 and back, nearest even (finite inputs)
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(int(0xffff0000u))));
+}
+
+inline void store_bf16x16(bf16* p, __m512 x) {  // x already rounded: keep the top halves
+  const __m512i top = _mm512_srli_epi32(_mm512_castps_si512(x), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(top));
+}
+
+// exp(x) = 2^k 2^f with k = round(x log2 e), |f| <= 1/2: 2^f by its degree-6 Taylor polynomial in
+// f ln 2 (relative error below 2e-7), 2^k by scalef. Inputs below -87 give 0 as std::exp does.
+inline __m512 exp16(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504f), ln2 = _mm512_set1_ps(0.693147181f);
+  const float taylor[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+  __m512 y = _mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(x, log2e), _mm512_set1_ps(128.f)), _mm512_set1_ps(-150.f));
+  const __m512 k = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(y, k), ln2);
+  __m512 p = _mm512_set1_ps(taylor[0]);
+  for (int j = 1; j < 7; ++j) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(taylor[j]));
+  return _mm512_scalef_ps(p, k);
+}
+#endif
+
+}  // namespace fw

@@ -1,0 +1,22 @@
+"""The bf16 CPU kernels of the decoder's elementwise layers (``fw/csrc/layers.cpp``).
+
+RMSNorm (with its residual add), neox rotary and SiLU-and-multiply take three
+to eight passes over memory each as torch ops, and at prefill sizes they
+cost a third as much as the matrix products. The kernels do one pass each and
+round to bf16 wherever the torch path rounds, so both paths agree. Other
+dtypes and devices, or a machine without a compiler, keep the torch path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fw import native
+
+_SOURCE = Path(__file__).parent.parent / "csrc" / "layers.cpp"
+
+
+def usable(x: torch.Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and native.load("fw_layers", _SOURCE)

@@ -1,0 +1,214 @@
+// Decode attention straight from the paged KV cache: one query token per request, keys and values
+// read block by block where they lie, never gathered into a contiguous copy.
+// One task per (request, KV head): its query heads share every key and value load (GQA).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "fw_cpu.h"
+
+namespace {
+
+// s[i] = exp(s[i] - shift); returns their sum.
+inline float exp_shifted(float* s, int64_t n, float shift) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(__AVX512F__)
+  __m512 total = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = fw::exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(shift)));
+    _mm512_storeu_ps(s + i, e);
+    total = _mm512_add_ps(total, e);
+  }
+  sum = _mm512_reduce_add_ps(total);
+#endif
+  for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - shift));
+  return sum;
+}
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// The generic path: no bf16 dot-product instructions, or another dtype.
+template <typename T, typename Slot>
+inline bool bf16_scores(const T*, const T*, Slot, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                        std::vector<float>&) {
+  return false;
+}
+
+#if defined(__AVX512BF16__)
+template <>
+inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
+  const fw::bf16* raw = reinterpret_cast<const fw::bf16*>(src);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, fw::load_bf16x16(raw + i));
+  for (; i < n; ++i) dst[i] = fw::f32(raw[i]);
+}
+
+// 16 rows of 16 32-bit lanes -> 16 columns: r[j] lane i = input r[i] lane j.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// q.k for every query head of the group and every key position, with the bf16 pairwise dot-product
+// instruction (exact products, float32 sums). Keys go 16 positions at a time: transposed so that one
+// vector holds one pair of head dimensions of all 16, each query head then takes one instruction per
+// pair and yields 16 scores without a horizontal sum.
+constexpr int64_t kMaxGroup = 16;
+
+template <typename Slot>
+inline bool bf16_scores(const at::BFloat16* q, const at::BFloat16* kp, Slot slot, int64_t first, int64_t len,
+                        int64_t group, int64_t head_size, int64_t kv_heads, int64_t g, float scale,
+                        std::vector<float>& scores) {
+  if (head_size % 32 || group > kMaxGroup) return false;
+  const int64_t n = len - first, chunks = head_size / 32;
+  const int32_t* qpairs = reinterpret_cast<const int32_t*>(q);
+  int64_t t = first;
+  for (; t + 16 <= len; t += 16) {
+    const at::BFloat16* rows[16];
+    for (int i = 0; i < 16; ++i) rows[i] = kp + (slot(t + i) * kv_heads + g) * head_size;
+    __m512 acc[kMaxGroup];
+    for (int64_t h = 0; h < group; ++h) acc[h] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m512i cols[16];
+      for (int i = 0; i < 16; ++i) cols[i] = _mm512_loadu_si512(rows[i] + 32 * c);
+      transpose16(cols);
+      for (int p = 0; p < 16; ++p) {
+        for (int64_t h = 0; h < group; ++h) {
+          const __m512i qp = _mm512_set1_epi32(qpairs[(h * head_size) / 2 + 16 * c + p]);
+          acc[h] = _mm512_dpbf16_ps(acc[h], (__m512bh)cols[p], (__m512bh)qp);
+        }
+      }
+    }
+    for (int64_t h = 0; h < group; ++h) {
+      _mm512_storeu_ps(scores.data() + h * n + t - first, _mm512_mul_ps(acc[h], _mm512_set1_ps(scale)));
+    }
+  }
+  for (; t < len; ++t) {  // the last positions, one at a time
+    const at::BFloat16* k = kp + (slot(t) * kv_heads + g) * head_size;
+    for (int64_t h = 0; h < group; ++h) {
+      const at::BFloat16* qh = q + h * head_size;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qh + 32 * c), (__m512bh)_mm512_loadu_si512(k + 32 * c));
+      }
+      scores[h * n + t - first] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+  return true;
+}
+#endif
+
+template <typename T>
+void decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+            at::Tensor& out) {
+  const int64_t num_reqs = q.size(0), num_heads = q.size(1), head_size = q.size(2);
+  const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2), max_blocks = block_tables.size(1);
+  const int64_t group = num_heads / kv_heads;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = key_cache.data_ptr<T>();
+  const T* vp = value_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+
+  at::parallel_for(0, num_reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(group * head_size), acc(group * head_size), row(head_size), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, g = task % kv_heads;
+      const int64_t len = lens[r], first = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - first;
+      const T* qr = qp + (r * num_heads + g * group) * head_size;
+      for (int64_t i = 0; i < group * head_size; ++i) query[i] = static_cast<float>(qr[i]) * static_cast<float>(scale);
+      scores.resize(group * n);
+      auto slot = [&](int64_t t) { return (int64_t)tables[r * max_blocks + t / block_size] * block_size + t % block_size; };
+
+      if (!bf16_scores(qr, kp, slot, first, len, group, head_size, kv_heads, g, static_cast<float>(scale), scores)) {
+        for (int64_t t = first; t < len; ++t) {
+          const T* k = kp + (slot(t) * kv_heads + g) * head_size;
+          for (int64_t i = 0; i < head_size; ++i) row[i] = static_cast<float>(k[i]);
+          for (int64_t h = 0; h < group; ++h) {
+            const float* qh = query.data() + h * head_size;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t i = 0; i < head_size; ++i) s += qh[i] * row[i];
+            scores[h * n + t - first] = s;
+          }
+        }
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        float* s = scores.data() + h * n;
+        const float top = *std::max_element(s, s + n);
+        const float sum = exp_shifted(s, n, top);
+        for (int64_t t = 0; t < n; ++t) s[t] /= sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = first; t < len; ++t) {
+        to_float(vp + (slot(t) * kv_heads + g) * head_size, row.data(), head_size);
+        for (int64_t h = 0; h < group; ++h) {
+          const float p = scores[h * n + t - first];
+          float* a = acc.data() + h * head_size;
+#pragma omp simd
+          for (int64_t i = 0; i < head_size; ++i) a[i] += p * row[i];
+        }
+      }
+      T* o = op + (r * num_heads + g * group) * head_size;
+      for (int64_t i = 0; i < group * head_size; ++i) o[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+// q [reqs, heads, head_size]; key_cache/value_cache [blocks, block_size, kv_heads, head_size];
+// block_tables [reqs, max_blocks] int32; seq_lens [reqs] int32 (the query is the last position);
+// window: attend to the last `window` keys, 0 for all.
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.size(1) % key_cache.size(2) == 0 && q.size(2) == key_cache.size(3), "heads do not match the cache");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "the cache must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables expected");
+  TORCH_CHECK(q.scalar_type() == key_cache.scalar_type(), "q and the cache must share a dtype");
+  auto query = q.contiguous();
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto out = at::empty_like(query);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    decode<scalar_t>(query, key_cache, value_cache, tables, lens, scale, window, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fw_attention_torch, m) {
+  m.def("paged_decode(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
+        "float scale, int window) -> Tensor");
+  m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
+}

@@ -1,0 +1,196 @@
+"""The CPU fast paths against their references: the native paged decode kernel, oneDNN-packed weights."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fw.interfaces.attention import AttentionBatch, AttentionLayerSpec
+from fw.layers import dense
+from fw.testing.conformance import dense_attention
+from fw_attention_torch.backend import TorchAttention
+
+CPU = torch.device("cpu")
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+@pytest.fixture(scope="module")
+def native_backend() -> TorchAttention:
+    backend = TorchAttention()
+    if not backend.native_decode(CPU):
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail("a C++ compiler is present, yet the native paged decode kernel did not build (see the log)")
+        pytest.skip("no C++ compiler: the native kernel cannot be built here (the torch path serves)")
+    return backend
+
+
+class _Reference(TorchAttention):
+    def native_decode(self, device: torch.device) -> bool:
+        return False
+
+
+def _decode_step(backend, dtype, heads, kv_heads, head_size, window, seq_lens, block=16):
+    gen = torch.Generator().manual_seed(len(seq_lens) * head_size + heads)
+    num_blocks = sum(-(-n // block) for n in seq_lens) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in seq_lens:  # blocks scattered over the cache, out of order
+        count = -(-n // block)
+        tables.append(perm[used : used + count])
+        used += count
+    cache = torch.randn(2, num_blocks, block, kv_heads, head_size, generator=gen).to(dtype)
+    q = torch.randn(len(seq_lens), heads, head_size, generator=gen).to(dtype)
+    k = torch.randn(len(seq_lens), kv_heads, head_size, generator=gen).to(dtype)
+    v = torch.randn(len(seq_lens), kv_heads, head_size, generator=gen).to(dtype)
+    layer = AttentionLayerSpec(heads, kv_heads, head_size, head_size**-0.5, window)
+    batch = AttentionBatch.build(tables, [n - 1 for n in seq_lens], [1] * len(seq_lens), block)
+    out = backend.forward(layer, q, k, v, cache, backend.prepare(batch))
+    return out, cache, q, tables
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(14, 2, 64), (4, 4, 128), (6, 3, 48), (8, 1, 96)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_native_paged_decode_matches_dense_attention(native_backend, dtype, heads, kv_heads, head_size, window):
+    seq_lens = [1, 7, 16, 33, 70]
+    out, cache, q, tables = _decode_step(native_backend, dtype, heads, kv_heads, head_size, window, seq_lens)
+    for i, n in enumerate(seq_lens):
+        slots = torch.tensor([tables[i][p // 16] * 16 + p % 16 for p in range(n)])
+        keys = cache[0].reshape(-1, kv_heads, head_size)[slots]  # includes the key the step just wrote
+        values = cache[1].reshape(-1, kv_heads, head_size)[slots]
+        expected = dense_attention(q[i : i + 1].float(), keys.float(), values.float(), torch.tensor([n - 1]), window)
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(out[i : i + 1].float(), expected, atol=tol, rtol=tol * 5)
+
+
+def test_native_and_torch_paths_agree_on_a_batch(native_backend):
+    seq_lens = [3, 40, 129, 17]
+    native, *_ = _decode_step(native_backend, torch.bfloat16, 14, 2, 64, None, seq_lens)
+    reference, *_ = _decode_step(_Reference(), torch.bfloat16, 14, 2, 64, None, seq_lens)
+    torch.testing.assert_close(native.float(), reference.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not dense.can_pack(torch.empty(16, 2, dtype=torch.bfloat16)), reason="no bf16 kernel on this CPU")
+@pytest.mark.parametrize("layout", ["fw", "onednn"])
+@pytest.mark.parametrize("shape", [(1, 64), (5, 64), (2, 3, 64), (0, 64), (37, 64)])
+@pytest.mark.parametrize("out_features", [96, 100])
+def test_packed_weight_matches_f_linear(monkeypatch, layout, shape, out_features):
+    if layout == "onednn":
+        monkeypatch.setattr(dense, "_native", lambda weight: False)
+    elif not dense._native(torch.empty(16, 2, dtype=torch.bfloat16)):
+        pytest.skip("fw's kernel needs AVX512-BF16 and a compiler")
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, 64, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    x = torch.randn(shape, generator=gen).bfloat16()
+    packed = dense.pack(weight)
+    # fw's layout needs whole 16-column blocks; other shapes take oneDNN's.
+    assert (packed.dim() == 4) == (layout == "fw" and out_features % 16 == 0)
+    assert packed.is_mkldnn == (packed.dim() == 2)
+    torch.testing.assert_close(dense.linear(x, packed, bias), F.linear(x, weight, bias), atol=3e-2, rtol=1e-2)
+    strided = torch.randn(*shape[:-1], 128, generator=gen).bfloat16()[..., ::2]  # not contiguous
+    torch.testing.assert_close(dense.linear(strided, packed), F.linear(strided, weight), atol=3e-2, rtol=1e-2)
+
+
+def test_float32_weights_stay_on_the_reference_path():
+    weight = torch.randn(8, 4)
+    assert dense.pack(weight) is weight
+
+
+def test_bf16_engine_fast_paths_match_the_reference_paths(tmp_path, monkeypatch):
+    """A bf16 model end to end: packed weights + native kernels give the tokens the plain torch paths give."""
+    from fw import LLM, SamplingParams
+    from fw.layers import native_ops
+    from fw.testing.models import make_tiny_model
+    from fw_attention_torch import backend
+
+    path = make_tiny_model("Qwen2ForCausalLM", tmp_path / "qwen2", dtype="bfloat16", tie_word_embeddings=True)
+    prompts = ["Hello world, this is", "def fibonacci(n):\n    return", "x"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+
+    def run():
+        llm = LLM(path, num_kv_blocks=64)
+        model = llm.llm_engine.executor.runner.model
+        packed = {name for name, t in model.named_buffers() if t.is_mkldnn or t.dim() == 4}
+        outs = llm.generate(prompts, params)
+        head = model.lm_head.packed_weight
+        return packed, head.is_mkldnn or head.dim() == 4, outs
+
+    packed, head_packed, fast = run()
+    if dense.can_pack(torch.empty(16, 2, dtype=torch.bfloat16)):
+        assert head_packed and any(name.endswith("qkv_proj.weight") for name in packed)
+    monkeypatch.setattr(dense, "can_pack", lambda weight: False)
+    monkeypatch.setattr(backend.TorchAttention, "native_decode", lambda self, device: False)
+    monkeypatch.setattr(native_ops, "usable", lambda x: False)
+    packed, head_packed, reference = run()
+    assert not packed and not head_packed
+    for a, b in zip(fast, reference, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        lp_a = [d[t][0] for d, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids, strict=True)]
+        lp_b = [d[t][0] for d, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids, strict=True)]
+        assert lp_a == pytest.approx(lp_b, abs=0.05)
+
+
+@pytest.fixture
+def layer_kernels():
+    from fw.layers import native_ops
+
+    if not native_ops.usable(torch.empty(1, dtype=torch.bfloat16)):
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail("a C++ compiler is present, yet the native layer kernels did not build (see the log)")
+        pytest.skip("no C++ compiler: the native kernels cannot be built here (the torch path serves)")
+    return native_ops
+
+
+def _torch_path(monkeypatch, native_ops, fn):
+    with monkeypatch.context() as m:
+        m.setattr(native_ops, "usable", lambda x: False)
+        return fn()
+
+
+@pytest.mark.parametrize("hidden", [896, 100])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_native_rms_norm_matches_torch(layer_kernels, monkeypatch, hidden, with_residual):
+    from fw.layers.layernorm import RMSNorm
+
+    gen = torch.Generator().manual_seed(hidden)
+    norm = RMSNorm(hidden, 1e-6, params_dtype=torch.bfloat16)
+    norm.weight.data.copy_(1 + 0.1 * torch.randn(hidden, generator=gen))
+    x = (3 * torch.randn(37, hidden, generator=gen)).bfloat16()
+    residual = torch.randn(37, hidden, generator=gen).bfloat16() if with_residual else None
+    fast = norm(x, residual)
+    ref = _torch_path(monkeypatch, layer_kernels, lambda: norm(x, residual))
+    for a, b in zip(*((fast, ref) if with_residual else ((fast,), (ref,))), strict=True):
+        # Float sums in another order: at most one bf16 rounding step apart, and rarely.
+        torch.testing.assert_close(a, b, atol=0, rtol=8e-3)
+        assert (a != b).float().mean() < 0.01
+
+
+def test_native_rotary_matches_torch_on_strided_views(layer_kernels, monkeypatch):
+    from fw.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(1)
+    rope = RotaryEmbedding(64, {"rope_type": "default", "rope_theta": 1e6}, 4096)
+    positions = torch.tensor([0, 1, 5, 900, 4000])
+    qkv = torch.randn(5, (4 + 2 + 2) * 64, generator=gen).bfloat16()
+
+    def run():
+        q, k, _ = qkv.clone().split([256, 128, 128], dim=-1)
+        return rope(positions, q.view(5, 4, 64), k.view(5, 2, 64))
+
+    fast, ref = run(), _torch_path(monkeypatch, layer_kernels, run)
+    assert fast[0].stride(0) == 512  # rotated in place inside the fused projection's output
+    for a, b in zip(fast, ref, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_native_silu_and_mul_matches_torch(layer_kernels, monkeypatch):
+    from fw.layers.activation import silu_and_mul
+
+    x = (4 * torch.randn(9, 2 * 300, generator=torch.Generator().manual_seed(2))).bfloat16()
+    fast, ref = silu_and_mul(x), _torch_path(monkeypatch, layer_kernels, lambda: silu_and_mul(x))
+    torch.testing.assert_close(fast, ref, atol=0, rtol=8e-3)
+    assert (fast != ref).float().mean() < 0.01
