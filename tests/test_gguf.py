@@ -496,7 +496,9 @@ def test_native_decode_kernel_matches_dequantize_then_matmul(qtype, dtype):
     weight = dequantize(raw, qtype).reshape(rows, size)
     for m in (1, 3, 8):
         x = torch.from_numpy(rng.standard_normal((m, size)).astype(np.float32)).to(dtype)
-        out = torch.ops.fw_quant_gguf.quant_gemv(x, raw.view(-1), rows, int(qtype))
+        # Two sub-matrices of one fused layer in one call: rows 0-23 and 24-39, outputs side by side.
+        split = 24 * raw.shape[1]
+        out = torch.ops.fw_quant_gguf.quant_gemv(x, raw.view(-1), [0, 24, int(qtype), split, rows - 24, int(qtype)])
         assert out.dtype == dtype and out.shape == (m, rows)
         expected = x.float() @ weight.T
         tol = 1e-5 if dtype is torch.float32 else 2e-2

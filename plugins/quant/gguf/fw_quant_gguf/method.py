@@ -107,6 +107,8 @@ class GGUFLinearMethod(LinearMethod):
                 for start in range(0, rows, step):
                     count = min(step, rows - start)
                     self.chunks.append(_Shard(qtype, group[0].offset + start * width, count, width))
+            # The native kernel's view of the same layout: (byte offset, rows, ggml type) per sub-matrix.
+            self.native_shards = [v for s in self.shards for v in (s.offset, s.rows, int(s.qtype))]
             weight = nn.Parameter(torch.empty(offset, dtype=torch.uint8), requires_grad=False)
             # Sharded and placed by _load_packed itself: the generic loader cannot cut a flat mix of layouts.
             weight.output_dim = weight.input_dim = None
@@ -131,20 +133,14 @@ class GGUFLinearMethod(LinearMethod):
         if self.dense:
             dense.pack_parameter(layer)
 
-    def _native_apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        parts = [
-            torch.ops.fw_quant_gguf.quant_gemv(x, layer.weight[s.offset : s.offset + s.nbytes], s.rows, int(s.qtype))
-            for s in self.shards
-        ]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.dense:
             return dense.linear(x, layer.weight, bias)
 
         rows = x.numel() // x.shape[-1]
         if rows <= _NATIVE_MAX_ROWS and self.native and x.device.type == "cpu" and native.load("fw_quant_gguf", _SOURCE):
-            out = self._native_apply(layer, x.reshape(rows, x.shape[-1])).view(*x.shape[:-1], -1)
+            out = torch.ops.fw_quant_gguf.quant_gemv(x.reshape(rows, x.shape[-1]), layer.weight, self.native_shards)
+            out = out.view(*x.shape[:-1], -1)
             return out if bias is None else out + bias
 
         def weight(c: _Shard) -> torch.Tensor:

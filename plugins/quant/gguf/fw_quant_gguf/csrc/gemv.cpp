@@ -31,81 +31,122 @@ inline float half(const uint8_t* p) { return _cvtsh_ss(*reinterpret_cast<const u
   }
 }
 
-// y[m, n] = sum_b d_b (x_b . q_b) + offset_b sum(x_b), where offset is m_b (Q4_1), -8 d_b (Q4_0), 0 (Q8_0).
-void gemv(const float* x, const float* xsum, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K,
-          int64_t qtype) {
-  const int64_t blocks = K / kBlock, bb = block_bytes(qtype);
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* row = w + n * blocks * bb;
+// offset_b: the weight a zero integer stands for: m_b (Q4_1), -8 d_b (Q4_0), 0 (Q8_0).
+inline float block_offset(const uint8_t* blk, int64_t qtype, float d) {
+  return qtype == Q4_1 ? half(blk + 2) : qtype == Q4_0 ? -8.f * d : 0.f;
+}
+
 #if defined(__AVX512F__)
-      __m512 acc[kMaxRows];
-      for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-#endif
-      float offset_sum[kMaxRows] = {0.f}, scalar[kMaxRows] = {0.f};
-      for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* blk = row + b * bb;
-        const float d = half(blk);
-        const float offset = qtype == Q4_1 ? half(blk + 2) : qtype == Q4_0 ? -8.f * d : 0.f;
-#if defined(__AVX512F__)
-        __m512 lo, hi;
-        if (qtype == Q8_0) {
-          const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-          lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(qs)));
-          hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(qs, 1)));
-        } else {
-          const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (qtype == Q4_0 ? 2 : 4)));
-          const __m128i mask = _mm_set1_epi8(0x0f);
-          lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(qs, mask)));
-          hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), mask)));
-        }
-        const __m512 dv = _mm512_set1_ps(d);
-        for (int64_t m = 0; m < M; ++m) {
-          const float* xb = x + m * K + b * kBlock;
-          const __m512 dot = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
-          acc[m] = _mm512_fmadd_ps(dot, dv, acc[m]);
-          offset_sum[m] += offset * xsum[m * blocks + b];
-        }
-#else
-        float q[32];
-        block_ints(blk, qtype, q);
-        for (int64_t m = 0; m < M; ++m) {
-          const float* xb = x + m * K + b * kBlock;
-          float dot = 0.f;
-          for (int j = 0; j < 32; ++j) dot += q[j] * xb[j];
-          scalar[m] += d * dot;
-          offset_sum[m] += offset * xsum[m * blocks + b];
-        }
-#endif
-      }
-      for (int64_t m = 0; m < M; ++m) {
-#if defined(__AVX512F__)
-        scalar[m] = _mm512_reduce_add_ps(acc[m]);
-#endif
-        y[m * N + n] = scalar[m] + offset_sum[m];
-      }
+// The integer weights of a block as floats: elements 0-15 and 16-31.
+inline void block_vectors(const uint8_t* blk, int64_t qtype, __m512& lo, __m512& hi) {
+  if (qtype == Q8_0) {
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(qs)));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(qs, 1)));
+  } else {
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (qtype == Q4_0 ? 2 : 4)));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(qs, mask)));
+    hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), mask)));
+  }
+}
+
+// One output row for M activation rows (M a constant, so the accumulators live in registers). Two sets of
+// accumulators, even and odd blocks, halve the dependency chains through them.
+template <int M>
+void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
+             int64_t bb, int64_t K, int64_t qtype) {
+  __m512 acc[2][M];
+  float off[2][M];
+  for (int s = 0; s < 2; ++s)
+    for (int m = 0; m < M; ++m) acc[s][m] = _mm512_setzero_ps(), off[s][m] = 0.f;
+  auto block = [&](int64_t b, __m512* a, float* o) {
+    const uint8_t* blk = row + b * bb;
+    const float d = half(blk), offset = block_offset(blk, qtype, d);
+    __m512 lo, hi;
+    block_vectors(blk, qtype, lo, hi);
+    const __m512 dv = _mm512_set1_ps(d);
+    for (int m = 0; m < M; ++m) {
+      const float* xb = x + m * K + b * kBlock;
+      const __m512 dot = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
+      a[m] = _mm512_fmadd_ps(dot, dv, a[m]);
+      o[m] += offset * xsum[m * blocks + b];
     }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    block(b, acc[0], off[0]);
+    block(b + 1, acc[1], off[1]);
+  }
+  if (b < blocks) block(b, acc[0], off[0]);
+  for (int m = 0; m < M; ++m) y[m * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m])) + off[0][m] + off[1][m];
+}
+#else
+template <int M>
+void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
+             int64_t bb, int64_t K, int64_t qtype) {
+  float acc[M] = {0.f};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = row + b * bb;
+    const float d = half(blk), offset = block_offset(blk, qtype, d);
+    float q[32];
+    block_ints(blk, qtype, q);
+    for (int m = 0; m < M; ++m) {
+      const float* xb = x + m * K + b * kBlock;
+      float dot = 0.f;
+      for (int j = 0; j < 32; ++j) dot += q[j] * xb[j];
+      acc[m] += d * dot + offset * xsum[m * blocks + b];
+    }
+  }
+  for (int m = 0; m < M; ++m) y[m * ldy] = acc[m];
+}
+#endif
+
+// y[m, n] = sum_b d_b (x_b . q_b) + offset_b sum(x_b), for the N rows of blocks at w.
+void gemv(const float* x, const float* xsum, const uint8_t* w, float* y, int64_t ldy, int64_t M, int64_t N,
+          int64_t K, int64_t qtype) {
+  const int64_t blocks = K / kBlock, bb = block_bytes(qtype);
+  using RowFn = void (*)(const float*, const float*, const uint8_t*, float*, int64_t, int64_t, int64_t, int64_t,
+                         int64_t);
+  static constexpr RowFn kRows[kMaxRows] = {dot_row<1>, dot_row<2>, dot_row<3>, dot_row<4>,
+                                            dot_row<5>, dot_row<6>, dot_row<7>, dot_row<8>};
+  if (M == 0) return;
+  const RowFn fn = kRows[M - 1];
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) fn(x, xsum, w + n * blocks * bb, y + n, ldy, blocks, bb, K, qtype);
   });
 }
 
-// x [M, K] (M <= 8, K a multiple of 32); weight: N rows of packed blocks, as uint8. Returns x.dtype [M, N].
-at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, int64_t rows, int64_t qtype) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "unsupported ggml type ", qtype);
+// x [M, K] (M <= 8, K a multiple of 32); weight: uint8, holding sub-matrices given as (byte offset, rows,
+// ggml type) triples in `shards`, each rows x K weights in blocks. Returns x.dtype [M, total rows], the
+// sub-matrices' outputs side by side (q | k | v, gate | up): one call per fused layer.
+at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef shards) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRows && x.size(1) % kBlock == 0, "x must be [<=8, 32k]");
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8");
+  TORCH_CHECK(!shards.empty() && shards.size() % 3 == 0, "shards must be (offset, rows, type) triples");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(weight.numel() == rows * (K / kBlock) * block_bytes(qtype), "weight size does not match");
+  int64_t total = 0;
+  for (size_t i = 0; i < shards.size(); i += 3) {
+    const int64_t offset = shards[i], rows = shards[i + 1], qtype = shards[i + 2];
+    TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "unsupported ggml type ", qtype);
+    TORCH_CHECK(offset >= 0 && offset + rows * (K / kBlock) * block_bytes(qtype) <= weight.numel(), "shard out of range");
+    total += rows;
+  }
   auto xf = x.to(at::kFloat).contiguous();
   auto xsum = xf.view({M, K / kBlock, kBlock}).sum(-1).contiguous();
-  auto y = at::empty({M, rows}, xf.options());
-  gemv(xf.data_ptr<float>(), xsum.data_ptr<float>(), weight.data_ptr<uint8_t>(), y.data_ptr<float>(), M, rows, K,
-       qtype);
+  auto y = at::empty({M, total}, xf.options());
+  int64_t column = 0;
+  for (size_t i = 0; i < shards.size(); i += 3) {
+    gemv(xf.data_ptr<float>(), xsum.data_ptr<float>(), weight.data_ptr<uint8_t>() + shards[i],
+         y.data_ptr<float>() + column, total, M, shards[i + 1], K, shards[i + 2]);
+    column += shards[i + 1];
+  }
   return y.to(x.scalar_type());
 }
 
 }  // namespace
 
 TORCH_LIBRARY(fw_quant_gguf, m) {
-  m.def("quant_gemv(Tensor x, Tensor weight, int rows, int qtype) -> Tensor");
+  m.def("quant_gemv(Tensor x, Tensor weight, int[] shards) -> Tensor");
   m.impl("quant_gemv", c10::DispatchKey::CPU, TORCH_FN(quant_gemv));
 }
