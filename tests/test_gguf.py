@@ -494,7 +494,7 @@ def test_native_decode_kernel_matches_dequantize_then_matmul(qtype, dtype):
     rows, size = 40, 96
     raw = torch.from_numpy(gguf.quants.quantize(rng.standard_normal((rows, size)).astype(np.float32), qtype).copy())
     weight = dequantize(raw, qtype).reshape(rows, size)
-    for m in (1, 3, 8):
+    for m in (1, 3, 8, 21):  # 21: three groups of register rows
         x = torch.from_numpy(rng.standard_normal((m, size)).astype(np.float32)).to(dtype)
         # Two sub-matrices of one fused layer in one call: rows 0-23 and 24-39, outputs side by side.
         split = 24 * raw.shape[1]

@@ -43,9 +43,9 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 # Weights dequantized at a time in apply(): bounds the float temporaries of a large layer (64 MiB in fp32).
 _CHUNK_WEIGHTS = 1 << 24
 # Decode-sized inputs (at most this many rows) of these types go to the native kernel (csrc/gemv.cpp), which
-# decodes blocks in registers instead of dequantizing whole matrices; it reads the weights once per row of x,
-# so larger batches amortize one dequantization better.
-_NATIVE_MAX_ROWS = 8
+# decodes blocks in registers instead of dequantizing whole matrices; it decodes every block once per 8 rows
+# of x, so prefill-sized inputs amortize one dequantization into a dense product better.
+_NATIVE_MAX_ROWS = 64
 _NATIVE_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
 _SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"
 

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "fw_cpu.h"
@@ -117,11 +118,11 @@ void gemv(const float* x, const float* xsum, const uint8_t* w, float* y, int64_t
   });
 }
 
-// x [M, K] (M <= 8, K a multiple of 32); weight: uint8, holding sub-matrices given as (byte offset, rows,
+// x [M, K] (K a multiple of 32); weight: uint8, holding sub-matrices given as (byte offset, rows,
 // ggml type) triples in `shards`, each rows x K weights in blocks. Returns x.dtype [M, total rows], the
 // sub-matrices' outputs side by side (q | k | v, gate | up): one call per fused layer.
 at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef shards) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRows && x.size(1) % kBlock == 0, "x must be [<=8, 32k]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x must be [rows, 32k]");
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8");
   TORCH_CHECK(!shards.empty() && shards.size() % 3 == 0, "shards must be (offset, rows, type) triples");
   const int64_t M = x.size(0), K = x.size(1);
@@ -137,8 +138,11 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
   auto y = at::empty({M, total}, xf.options());
   int64_t column = 0;
   for (size_t i = 0; i < shards.size(); i += 3) {
-    gemv(xf.data_ptr<float>(), xsum.data_ptr<float>(), weight.data_ptr<uint8_t>() + shards[i],
-         y.data_ptr<float>() + column, total, M, shards[i + 1], K, shards[i + 2]);
+    for (int64_t m = 0; m < M; m += kMaxRows) {  // rows in groups that fit the register accumulators
+      gemv(xf.data_ptr<float>() + m * K, xsum.data_ptr<float>() + m * (K / kBlock),
+           weight.data_ptr<uint8_t>() + shards[i], y.data_ptr<float>() + m * total + column, total,
+           std::min(kMaxRows, M - m), shards[i + 1], K, shards[i + 2]);
+    }
     column += shards[i + 1];
   }
   return y.to(x.scalar_type());
