@@ -4,8 +4,8 @@ Each rank holds a contiguous slice of ``ceil(vocab / tp)`` rows (the last
 rank's tail is zero padding). The embedding looks up the ids it owns and
 all-reduces; the LM head computes its slice of the logits and all-gathers.
 With tied embeddings the head shares the embedding's parameter. On the CPU
-the head multiplies by a oneDNN-packed weight (``fw.layers.dense``): the
-largest matrix of a small model, read in full for every decode step.
+the head packs its weight for fw's kernels (``fw.layers.dense``; a copy when
+tied): the largest matrix of a small model, read in full every decode step.
 """
 
 from __future__ import annotations
