@@ -95,17 +95,22 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         # A plain attribute rather than a buffer: model.to(dtype) must not round the frequencies.
         self.inv_freq, self.attention_scaling = compute_inv_freq(head_size, rope_parameters, max_position_embeddings)
+        # Every layer of a step rotates by the same positions tensor (the model runner builds a new one per
+        # step): the native path computes its cos/sin once per step, not once per layer.
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, heads, head_size] and k [T, kv_heads, head_size] by their token's position."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * self.inv_freq
         if native_ops.usable(q) and q.stride(-2) == q.shape[-1] and k.stride(-2) == k.shape[-1]:
-            cos = (freqs.cos() * self.attention_scaling).to(q.dtype)
-            sin = (freqs.sin() * self.attention_scaling).to(q.dtype)
-            torch.ops.fw_layers.rotary_neox(q, k, cos, sin)  # in place
+            if self._step is None or self._step[0] is not positions:
+                freqs = positions.float()[:, None] * self.inv_freq
+                scale = self.attention_scaling
+                self._step = (positions, (freqs.cos() * scale).to(q.dtype), (freqs.sin() * scale).to(q.dtype))
+            torch.ops.fw_layers.rotary_neox(q, k, self._step[1], self._step[2])  # in place
             return q, k
+        freqs = positions.float()[:, None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
         cos = (emb.cos() * self.attention_scaling).to(q.dtype)
         sin = (emb.sin() * self.attention_scaling).to(q.dtype)

@@ -140,6 +140,10 @@ class TorchAttention(AttentionBackend):
         key_cache[slot_mapping] = k
         value_cache[slot_mapping] = v
 
+        decodes = metadata.decodes
+        native = decodes is not None and decodes.block_tables is not None
+        if native and not metadata.prefills:  # a decode-only step: every row is a decode, in order
+            return self._native_decode(layer, q, kv_cache, decodes)
         out = torch.empty_like(q)
         gqa = layer.num_heads != layer.num_kv_heads
         for i, req in enumerate(metadata.prefills):
@@ -153,17 +157,8 @@ class TorchAttention(AttentionBackend):
                 q[req.queries].transpose(0, 1)[None], keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=gqa
             )
             out[req.queries] = attn[0].transpose(0, 1)
-        decodes = metadata.decodes
-        if decodes is not None and decodes.block_tables is not None:
-            out[decodes.rows] = torch.ops.fw_attention_torch.paged_decode(
-                q[decodes.rows],
-                kv_cache[0],
-                kv_cache[1],
-                decodes.block_tables,
-                decodes.seq_lens,
-                layer.scale,
-                layer.sliding_window or 0,
-            )
+        if native:
+            out[decodes.rows] = self._native_decode(layer, q[decodes.rows], kv_cache, decodes)
         elif decodes is not None:
             out[decodes.rows] = self._decode(
                 layer,
@@ -173,6 +168,14 @@ class TorchAttention(AttentionBackend):
                 metadata.decode_mask(layer.sliding_window),
             )
         return out
+
+    @staticmethod
+    def _native_decode(
+        layer: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor, decodes: _Decodes
+    ) -> torch.Tensor:
+        return torch.ops.fw_attention_torch.paged_decode(
+            q, kv_cache[0], kv_cache[1], decodes.block_tables, decodes.seq_lens, layer.scale, layer.sliding_window or 0
+        )
 
     @staticmethod
     def _decode(
