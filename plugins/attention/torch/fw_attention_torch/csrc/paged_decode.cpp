@@ -146,11 +146,11 @@ void decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
       const int64_t r = task / kv_heads, g = task % kv_heads;
       const int64_t len = lens[r], first = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - first;
       const T* qr = qp + (r * num_heads + g * group) * head_size;
-      for (int64_t i = 0; i < group * head_size; ++i) query[i] = static_cast<float>(qr[i]) * static_cast<float>(scale);
       scores.resize(group * n);
       auto slot = [&](int64_t t) { return (int64_t)tables[r * max_blocks + t / block_size] * block_size + t % block_size; };
 
       if (!bf16_scores(qr, kp, slot, first, len, group, head_size, kv_heads, g, static_cast<float>(scale), scores)) {
+        for (int64_t i = 0; i < group * head_size; ++i) query[i] = static_cast<float>(qr[i]) * static_cast<float>(scale);
         for (int64_t t = first; t < len; ++t) {
           const T* k = kp + (slot(t) * kv_heads + g) * head_size;
           for (int64_t i = 0; i < head_size; ++i) row[i] = static_cast<float>(k[i]);
