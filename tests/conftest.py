@@ -1,14 +1,22 @@
-"""Shared fixtures: run the `fw` CLI in a subprocess, and fake installed plugin distributions."""
+"""Shared fixtures: run the `fw` CLI in a subprocess, a live `fw serve`, and fake installed plugin distributions."""
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
+
+from fw.testing.models import make_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,3 +57,50 @@ def fake_site(tmp_path):
         return make_site(tmp_path / "site", dist, entry_points, modules)
 
     return build
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def fw_serve(*args: str, env: dict[str, str] | None = None):
+    """A live `fw serve` on a free port: yields (base URL, process); ``process.log`` is its output so far."""
+    port = free_port()
+    # A file, not a pipe: the server logs every request and would block once a pipe nobody reads is full.
+    with tempfile.NamedTemporaryFile("w+", prefix="fw-serve-", suffix=".log") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fw_cli", "serve", "--port", str(port), *args],
+            stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+        )
+        proc.log = lambda: Path(log.name).read_text()
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 180
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"fw serve exited: {proc.log()}")
+                try:
+                    if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError("fw serve did not start")
+                time.sleep(0.3)
+            yield base, proc
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random-weight Llama with a real tokenizer, built once per test module."""
+    return str(make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("srv") / "llama"))

@@ -116,21 +116,23 @@ def test_bf16_engine_fast_paths_match_the_reference_paths(tmp_path, monkeypatch)
         model = llm.llm_engine.executor.runner.model
         packed = {name for name, t in model.named_buffers() if t.is_mkldnn or t.dim() == 4}
         outs = llm.generate(prompts, params)
-        head = model.lm_head.packed_weight
-        return packed, head.is_mkldnn or head.dim() == 4, outs
+        head = getattr(model.lm_head, "packed_weight", model.lm_head.weight)
+        return packed, head.dim() == 4, outs
 
     packed, head_packed, fast = run()
     if dense.can_pack(torch.empty(16, 2, dtype=torch.bfloat16)):
-        assert head_packed and any(name.endswith("qkv_proj.weight") for name in packed)
+        assert any(name.endswith("qkv_proj.weight") for name in packed)
+    assert head_packed == dense._native(torch.empty(16, 2, dtype=torch.bfloat16))
     monkeypatch.setattr(dense, "can_pack", lambda weight: False)
+    monkeypatch.setattr(dense, "pack_logits", lambda weight: weight.float())  # the torch path's float32 head
     monkeypatch.setattr(backend.TorchAttention, "native_decode", lambda self, device: False)
     monkeypatch.setattr(native_ops, "usable", lambda x: False)
     packed, head_packed, reference = run()
     assert not packed and not head_packed
     for a, b in zip(fast, reference, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        lp_a = [d[t][0] for d, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids, strict=True)]
-        lp_b = [d[t][0] for d, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids, strict=True)]
+        lp_a = [d[t].logprob for d, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids, strict=True)]
+        lp_b = [d[t].logprob for d, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids, strict=True)]
         assert lp_a == pytest.approx(lp_b, abs=0.05)
 
 

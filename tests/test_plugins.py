@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
 import tomllib
 
 from conftest import REPO, run_fw
@@ -149,3 +150,26 @@ def test_allow_and_deny_lists():
     rows = {(r["kind"], r["name"]): r["status"] for r in json.loads(allowed.stdout)}
     assert rows[("attention", "torch")] == "ok" and rows[("comm", "torch")] == "ok"
     assert rows[("sampler", "default")] == "disabled" and rows[("models", "llama")] == "disabled"
+
+
+@pytest.mark.parametrize(
+    "flags, kwargs, named",
+    [
+        (["-pp", "2"], {"pipeline_parallel_size": 2}, "--pipeline-parallel-size (-pp) 2"),
+        (["-dp", "2"], {"data_parallel_size": 2}, "--data-parallel-size (-dp) 2"),
+        (["--kv-connector", "disk"], {"kv_connector": "disk"}, "--kv-connector disk"),
+        (["--kv-cache-dtype", "fp8"], {"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8"),
+    ],
+)
+def test_options_not_implemented_yet_are_refused_by_name(tmp_path, flags, kwargs, named):
+    from fw import LLM
+    from fw.engine import EngineError
+    from fw.testing.models import make_tiny_model
+
+    result = run_fw("plugins", "check", "--device", "cpu", *flags)
+    assert result.returncode == 1
+    assert f"{named}: " in result.stderr and "is not implemented yet" in result.stderr
+    model = make_tiny_model("LlamaForCausalLM", tmp_path / "m")
+    with pytest.raises(EngineError, match=r"is not implemented yet") as err:
+        LLM(str(model), **kwargs)
+    assert named in str(err.value)

@@ -206,11 +206,12 @@ def test_logprobs_top_n_and_ranks(llm, model):
     comp = out.outputs[0]
     assert len(comp.logprobs) == 4
     for token, entry in zip(comp.token_ids, comp.logprobs, strict=True):
-        assert entry[token][1] == 1  # greedy: the chosen token is rank 1
-        top = sorted(entry.values(), key=lambda v: v[1])
-        assert [r for _, r in top] == [1, 2, 3]
-        assert all(a[0] >= b[0] for a, b in zip(top, top[1:], strict=False))
-    assert comp.cumulative_logprob == pytest.approx(sum(e[t][0] for t, e in zip(comp.token_ids, comp.logprobs, strict=False)))
+        assert entry[token].rank == 1  # greedy: the chosen token is rank 1
+        assert entry[token].decoded_token == llm.get_tokenizer().decode([token], skip_special_tokens=False)
+        top = sorted(entry.values(), key=lambda v: v.rank)
+        assert [lp.rank for lp in top] == [1, 2, 3]
+        assert all(a.logprob >= b.logprob for a, b in zip(top, top[1:], strict=False))
+    assert comp.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(comp.token_ids, comp.logprobs, strict=False)))
 
 
 def test_prompt_logprobs_match_transformers(llm, model):
@@ -224,7 +225,7 @@ def test_prompt_logprobs_match_transformers(llm, model):
     assert out.prompt_logprobs[0] is None
     for pos, entry in enumerate(out.prompt_logprobs[1:]):
         token = out.prompt_token_ids[pos + 1]
-        assert entry[token][0] == pytest.approx(ref[pos, token].item(), abs=1e-4)
+        assert entry[token].logprob == pytest.approx(ref[pos, token].item(), abs=1e-4)
         assert len(entry) <= 3
 
 

@@ -8,9 +8,8 @@ import subprocess
 
 import jsonschema
 import pytest
-from test_server import fw_serve
 
-from conftest import REPO
+from conftest import REPO, fw_serve
 
 SCHEMA = {
     "type": "object",

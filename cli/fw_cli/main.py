@@ -189,11 +189,15 @@ def generate(resolved: ResolvedConfig, prompts, max_tokens, temperature, top_p, 
 
 
 @cli.command("serve")
-@config_options(server=True)
+@config_options(server=True, model_argument=True)
 def serve(resolved: ResolvedConfig) -> None:
-    """Serve the OpenAI API (completions, chat, models, metrics) for one model."""
+    """Serve the OpenAI API (completions, chat, models, tokenize, metrics) for one model.
+
+    MODEL is the model path, as --model (vLLM's `vllm serve MODEL`).
+    """
     from fw.async_engine import AsyncEngine
     from fw.engine import EngineError, LLMEngine
+    from fw.generation_config import sampling_defaults
     from fw.model_loader import ModelLoadError
     from fw_cli.server.app import Server, run
 
@@ -204,12 +208,15 @@ def serve(resolved: ResolvedConfig) -> None:
         raise click.ClickException(str(exc)) from None
     model = config.model.model
     name = config.server.served_model_name or (Path(model).stem if Path(model).is_file() else model)
-    api_key = config.server.api_key.get_secret_value() if config.server.api_key else None
-    server = Server(AsyncEngine(engine), name, api_key, config.server.chat_template)
+    defaults = sampling_defaults(config.model)
+    server = Server(AsyncEngine(engine), name, config.server, defaults)
     host, port = config.server.host, config.server.port
     click.echo(f"fw serve: model {name!r} ({model}), max_model_len {engine.max_model_len}", err=True)
+    if defaults:
+        click.echo(f"fw serve: sampling defaults from the model's generation config: {defaults} "
+                   "(--generation-config vllm ignores them)", err=True)
     click.echo(f"fw serve: listening on http://{host}:{port}/v1", err=True)
-    run(server, host, port)
+    run(server, host, port, config.server.uvicorn_log_level)
 
 
 cli.add_command(bench)

@@ -33,8 +33,19 @@ def _click_option(opt: CliOption) -> Callable:
     return click.option(*names, _dest(opt.path), type=kind, default=None, help=opt.help)
 
 
-def config_options(server: bool = False) -> Callable:
-    """Add ``--config``, ``--plugin-option`` and one flag per configuration field; pass ``resolved``."""
+def _refuse_remote_code(_ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value:
+        raise click.UsageError(
+            "--trust-remote-code: fw runs no code from model repositories; it serves the architectures built in "
+            "or added by plugins (`fw plugins list`), so drop the flag"
+        )
+
+
+def config_options(server: bool = False, model_argument: bool = False) -> Callable:
+    """Add ``--config``, ``--plugin-option`` and one flag per configuration field; pass ``resolved``.
+
+    ``model_argument``: also take the model as an optional positional MODEL, as ``vllm serve MODEL`` does.
+    """
     options = cli_options(ENGINE_SECTIONS) + (cli_options(SERVER_SECTIONS) if server else [])
     by_dest = {_dest(o.path): o for o in options}
 
@@ -49,6 +60,13 @@ def config_options(server: bool = False) -> Callable:
                     if value is not None:
                         set_path(cli, by_dest[dest].path, value)
                         flags[by_dest[dest].path] = by_dest[dest].flag
+            positional = kwargs.pop("model_positional", None)
+            if positional is not None:
+                flag_value = cli.get("model", {}).get("model")
+                if flag_value not in (None, positional):
+                    raise click.UsageError(f"MODEL {positional!r} and --model {flag_value!r} differ; give the model once")
+                set_path(cli, "model.model", positional)
+                flags.setdefault("model.model", "MODEL")
             try:
                 for field, values in parse_plugin_options(list(plugin_option)).items():
                     for name, value in values["options"].items():
@@ -68,6 +86,15 @@ def config_options(server: bool = False) -> Callable:
             metavar="KIND.OPTION=VALUE",
             help="Set a plugin option, e.g. sampler.mass=0.9 (KIND: attention, quant, comm, kvconnector, sampler).",
         )(wrapper)
+        wrapper = click.option(
+            "--trust-remote-code",
+            is_flag=True,
+            expose_value=False,
+            callback=_refuse_remote_code,
+            help="Refused: fw runs no code from model repositories (vLLM's flag, named here to say so).",
+        )(wrapper)
+        if model_argument:
+            wrapper = click.argument("model_positional", metavar="[MODEL]", required=False)(wrapper)
         wrapper = click.option(
             "--config",
             "config_files",

@@ -7,6 +7,7 @@
 from typing import TYPE_CHECKING
 
 from fw.hookspecs import hookimpl
+from fw.inputs import TextPrompt, TokensPrompt
 
 __version__ = "0.1.0"
 
@@ -27,4 +28,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'fw' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "__version__", "hookimpl"]
+__all__ = ["LLM", "SamplingParams", "TextPrompt", "TokensPrompt", "__version__", "hookimpl"]

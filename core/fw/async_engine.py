@@ -3,21 +3,21 @@
 All engine calls happen on the engine thread (the engine is not thread-safe);
 the event loop only enqueues commands and receives outputs, so HTTP handling
 and engine steps overlap. A caller that stops iterating (client disconnect,
-cancellation) has its request aborted and its KV blocks freed at once.
+cancellation) has its requests aborted and their KV blocks freed at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 from fw.engine import LLMEngine
+from fw.inputs import PromptType
 from fw.outputs import RequestOutput
 from fw.sampling_params import SamplingParams
 
@@ -28,8 +28,8 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._ids = itertools.count()
+        # Request id -> where its outputs go: the caller's loop, its queue, the request's index in its batch.
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="fw-engine", daemon=True)
         self._thread.start()
@@ -48,6 +48,8 @@ class AsyncEngine:
             except queue.Empty:
                 fn = None
             if fn is not None:
+                if not future.set_running_or_notify_cancel():  # its caller has gone: don't run it
+                    continue
                 try:
                     future.set_result(fn())
                 except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
@@ -65,33 +67,57 @@ class AsyncEngine:
         target = self._streams.get(output.request_id)
         if target is None:
             return
-        loop, q = target
-        loop.call_soon_threadsafe(q.put_nowait, output)
+        loop, q, index = target
+        loop.call_soon_threadsafe(q.put_nowait, (index, output))
         if output.finished:
             self._streams.pop(output.request_id, None)
 
-    async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output after every step it takes part in, the last one finished."""
-        request_id = request_id or f"req-{next(self._ids)}"
-        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
+    async def generate_many(
+        self, requests: Sequence[tuple[PromptType, SamplingParams, str, int]]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run (prompt, params, request id, priority) requests together: yield (index, output) after every step
+        a request takes part in, its last output finished.
+
+        All are admitted by one engine-thread command, so the scheduler batches them from the first step,
+        and a request the engine refuses fails them all before any output.
+        """
+        loop, q = asyncio.get_running_loop(), asyncio.Queue()
+        ids = [request_id for _prompt, _params, request_id, _priority in requests]
+
+        def admit() -> None:
+            added = []
+            try:
+                for index, (prompt, params, request_id, priority) in enumerate(requests):
+                    self.engine.add_request(prompt, params, request_id, priority)
+                    added.append(request_id)
+                    self._streams[request_id] = (loop, q, index)
+            except BaseException:
+                self._abort_now(added)
+                raise
+
+        admitted = self._call(admit)
         try:
-            await asyncio.wrap_future(self._call(lambda: self.engine.add_request(prompt, params, request_id)))
-        except BaseException:
-            self._streams.pop(request_id, None)
+            await asyncio.wrap_future(admitted)
+        except asyncio.CancelledError:
+            # Admission may be under way on the engine thread: abort what it adds.
+            admitted.add_done_callback(lambda f: f.cancelled() or f.exception() or self._call(lambda: self._abort_now(ids)))
             raise
-        finished = False
+        pending = set(ids)
         try:
-            while not finished:
-                output = await q.get()
-                finished = output.finished
-                yield output
+            while pending:
+                index, output = await q.get()
+                if output.finished:
+                    pending.discard(ids[index])
+                yield index, output
         finally:
-            if not finished:
-                self._streams.pop(request_id, None)
-                self._call(lambda: self.engine.abort_request(request_id))
+            if pending:
+                self._call(lambda: self._abort_now(pending))
+
+    def _abort_now(self, request_ids) -> None:
+        """On the engine thread: stop delivering to and abort these requests."""
+        for request_id in request_ids:
+            self._streams.pop(request_id, None)
+            self.engine.abort_request(request_id)
 
     async def run(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread (for reading stats consistently)."""

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from fw.tokenizer import Tokenizer
+if TYPE_CHECKING:  # fw.tokenizer imports this module
+    from fw.tokenizer import Tokenizer
 
 
 class ChatTemplateError(ValueError):
@@ -36,18 +37,69 @@ def load_template(template: str | None) -> str | None:
     return path.read_text() if len(template) < 4096 and path.is_file() else template
 
 
+def _part_text(part: Any, index: int) -> str:
+    """A content part's text: a plain string, or a 'text' (or 'refusal') part, whose "type" may be left out."""
+    if isinstance(part, str):
+        return part
+    kind = type(part).__name__
+    if isinstance(part, dict):
+        kind = part.get("type", "text" if "text" in part else None)
+        if kind in ("text", "refusal") and isinstance(part.get(kind), str):
+            return part[kind]
+    raise ChatTemplateError(
+        f"messages[{index}]: content part type {kind!r} is not supported; fw serves text-only models "
+        "(content parts of type 'text' only)"
+    )
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI-style messages -> what templates expect: a list of content parts becomes its texts joined by
+    newlines (as vLLM renders them). Returns new dicts; the input is left alone."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ChatTemplateError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    return [
+        {**m, "content": "\n".join(_part_text(p, i) for p in m["content"])} if isinstance(m.get("content"), list) else m
+        for i, m in enumerate(messages)
+    ]
+
+
+def _open_final_message(rendered: str, content: Any) -> str:
+    """Cut the rendering right after the final message's text, so the model continues that message."""
+    text = content.strip() if isinstance(content, str) else ""
+    at = rendered.rfind(text) if text else -1
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the final message has no text that the template renders")
+    end = at + len(text)
+    trailing = content[len(content.rstrip()) :]
+    # Keep the message's own trailing whitespace where the template kept it.
+    return rendered[: end + len(trailing)] if rendered.startswith(trailing, end) else rendered[:end]
+
+
 def apply_chat_template(
     tokenizer: Tokenizer,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     template: str | None = None,
+    *,
+    continue_final_message: bool = False,
     **kwargs: Any,
 ) -> str:
+    """Render ``messages`` (normalized first) with ``template`` or the model's; ``kwargs`` reach the template.
+
+    ``continue_final_message`` leaves the final message open (no end-of-turn after it) for the model to
+    continue, e.g. a prefilled assistant reply; it excludes ``add_generation_prompt``.
+    """
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError(
+            "continue_final_message and add_generation_prompt cannot both be set: the first continues the final "
+            "message, the second starts a new assistant message"
+        )
     template = template or tokenizer.chat_template
     if not template:
         raise ChatTemplateError("the model has no chat template; pass one with --chat-template")
+    messages = normalize_messages(messages)
     try:
-        return _compile(template).render(
+        rendered = _compile(template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=tokenizer.bos_token or "",
@@ -56,3 +108,6 @@ def apply_chat_template(
         )
     except TemplateError as exc:
         raise ChatTemplateError(f"the chat template failed: {exc}") from None
+    if continue_final_message:
+        rendered = _open_final_message(rendered, messages[-1].get("content") if messages else None)
+    return rendered

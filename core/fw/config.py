@@ -60,6 +60,21 @@ class ModelSection(_Section):
     max_model_len: int | None = Field(None, gt=0, description="Context length; defaults to the model's.")
     seed: int = Field(0, description="Seed for weights-independent randomness (unseeded sampling).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device to run on.")
+    generation_config: str = Field(
+        "auto",
+        description="Sampling defaults for requests that leave them unset: auto takes the model's "
+        "generation_config.json, vllm ignores it, a folder path reads that folder's file.",
+    )
+    enforce_eager: bool = Field(
+        False, description="Accepted for vLLM compatibility and changes nothing: fw captures no graphs, it always runs eagerly."
+    )
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config_folder(cls, value: str) -> str:
+        if value not in ("auto", "vllm") and not (Path(value) / "generation_config.json").is_file():
+            raise ValueError("expected auto, vllm or a folder holding generation_config.json")
+        return value
 
 
 class CacheSection(_Section):
@@ -117,6 +132,13 @@ class ServerSection(_Section):
     api_key: SecretStr | None = Field(None, description="Require this bearer token (also FW_SERVER__API_KEY).")
     served_model_name: str | None = Field(None, description="Model name clients use; defaults to the model path.")
     chat_template: str | None = Field(None, description="Jinja chat template file or string overriding the model's.")
+    max_logprobs: int = Field(
+        20, ge=0, le=20, description="Most logprobs (and prompt_logprobs) a request may ask for; 20 is also the engine's limit."
+    )
+    disable_log_requests: bool = Field(False, description="Don't log a line per request received.")
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
+        "info", description="uvicorn's log level; info logs each HTTP request (its access log)."
+    )
 
 
 class FwConfig(BaseSettings):

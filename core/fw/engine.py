@@ -15,11 +15,13 @@ from fw import plugins
 from fw.config import FwConfig
 from fw.detokenizer import IncrementalDetokenizer
 from fw.executor import Executor
+from fw.inputs import PromptType, TextPrompt, TokensPrompt, parse_prompt
 from fw.interfaces.sampler import SamplingBatch
 from fw.kv_cache import KVCacheManager
-from fw.outputs import CompletionOutput, RequestOutput
+from fw.logits_processors import LogitsProcessor, allow_only, bad_words_token_ids, ban_sequences
+from fw.outputs import CompletionOutput, Logprob, RequestOutput
 from fw.platform import detect
-from fw.request import Request
+from fw.request import Request, new_metrics
 from fw.sampling_params import SamplingParams
 from fw.scheduler import ScheduledBatch, Scheduler
 from fw.tokenizer import Tokenizer
@@ -105,9 +107,15 @@ class LLMEngine:
 
     # --- requests -----------------------------------------------------------
 
+    def prompt_token_ids(self, prompt: TextPrompt | TokensPrompt) -> list[int]:
+        """A parsed prompt's token ids: its own, or its text's."""
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        return self.tokenizer.encode(prompt["prompt"])
+
     def add_request(
         self,
-        prompt: str | list[int],
+        prompt: PromptType,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
@@ -119,12 +127,20 @@ class LLMEngine:
                 f"structured output needs a sampler with the 'structured' feature (e.g. --sampler outlines); "
                 f"the selected sampler is {self.selected['sampler']!r}"
             )
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if priority and not self.scheduler.by_priority:
+            raise EngineError(f"priority {priority} needs the priority scheduling policy (scheduling_policy=priority)")
+        prompt = parse_prompt(prompt)
+        token_ids = self.prompt_token_ids(prompt)
+        if params.truncate_prompt_tokens is not None:
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            token_ids = token_ids[-keep:]
         self._validate_prompt(token_ids, params)
+        masks = self._token_masks(params)
         request_id = request_id or str(next(self._ids))
         if request_id in self.groups:
             raise EngineError(f"request id {request_id!r} is already in use")
+        salt = prompt.get("cache_salt")
+        metrics = new_metrics()
         sequences = []
         for i in range(params.n):
             # Each sequence of a seeded request gets its own reproducible stream.
@@ -139,22 +155,34 @@ class LLMEngine:
             detok = IncrementalDetokenizer(
                 self.tokenizer, token_ids, seq_params.skip_special_tokens, seq_params.stop,
                 seq_params.include_stop_str_in_output,
-            )
+            ) if seq_params.detokenize else None
             seq = Request(
-                seq_id, token_ids, seq_params, self.eos_token_ids, self.max_model_len, priority, text, detok,
-                group_id=request_id,
+                seq_id, token_ids, seq_params, self.eos_token_ids, self.max_model_len, priority, prompt.get("prompt"),
+                detok, group_id=request_id, cache_keys=(salt,) if salt else (), metrics=metrics,
             )
             if seq_params.seed is not None:
                 self.generators[seq_id] = torch.Generator().manual_seed(seq_params.seed)
-            processors = self.hook.fw_logits_processors(request_id=seq_id, sampling_params=seq_params)
-            if any(processors):
-                self.logits_processors[seq_id] = [p for group in processors for p in group or []]
+            hooked = self.hook.fw_logits_processors(request_id=seq_id, sampling_params=seq_params)
+            processors = masks + [p for group in hooked for p in group or []]
+            if processors:
+                self.logits_processors[seq_id] = processors
             sequences.append(seq)
         self.groups[request_id] = sequences
         for seq in sequences:
             self.scheduler.add(seq)
         self.hook.fw_request_added(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params)
         return request_id
+
+    def _token_masks(self, params: SamplingParams) -> list[LogitsProcessor]:
+        """Logits processors for allowed_token_ids and bad_words, checked against the vocabulary."""
+        vocab = self.executor.runner.hf_config.vocab_size
+        bad = bad_words_token_ids(self.tokenizer, params.bad_words)
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids or []), ("bad_words", sum(bad, []))):
+            outside = sorted({t for t in ids if t >= vocab})
+            if outside:
+                raise EngineError(f"{name}: token ids {outside} are outside the model's vocabulary [0, {vocab})")
+        masks = [allow_only(params.allowed_token_ids)] if params.allowed_token_ids is not None else []
+        return masks + ([ban_sequences(bad)] if bad else [])
 
     def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
@@ -228,14 +256,19 @@ class LLMEngine:
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         for row, request in enumerate(requests):
             if request.params.logprobs is not None and logprobs is not None:
-                entry = {tokens[row]: (logprobs[row], int(out.ranks[row]) if out.ranks is not None else 0)}
+                entry = {tokens[row]: self._logprob(request, tokens[row], logprobs[row],
+                                                    int(out.ranks[row]) if out.ranks is not None else None)}
                 if out.top_token_ids is not None:
                     ids = out.top_token_ids[row, : request.params.logprobs].tolist()
                     vals = out.top_logprobs[row, : request.params.logprobs].tolist()
                     for rank, (tok, val) in enumerate(zip(ids, vals, strict=True), start=1):
-                        entry.setdefault(tok, (val, rank))
+                        entry.setdefault(tok, self._logprob(request, tok, val, rank))
                 request.output_logprobs.append(entry)
         return tokens, logprobs
+
+    def _logprob(self, request: Request, token: int, logprob: float, rank: int | None) -> Logprob:
+        text = self.tokenizer.decode([token], skip_special_tokens=False) if request.params.detokenize else None
+        return Logprob(logprob, rank, text)
 
     def _record_prompt_logprobs(self, batch: ScheduledBatch, inputs, logits: torch.Tensor) -> None:
         """Logits at prompt position p score prompt token p + 1; the first prompt token gets None."""
@@ -254,11 +287,11 @@ class LLMEngine:
                 if pos + 1 < prompt_len:
                     lp = logprobs[row]
                     nxt = request.prompt_token_ids[pos + 1]
-                    entry = {nxt: (lp[nxt].item(), int((lp > lp[nxt]).sum()) + 1)}
+                    entry = {nxt: self._logprob(request, nxt, lp[nxt].item(), int((lp > lp[nxt]).sum()) + 1)}
                     if k:
                         vals, ids = lp.topk(k)
                         for rank, (tok, val) in enumerate(zip(ids.tolist(), vals.tolist(), strict=True), start=1):
-                            entry.setdefault(tok, (val, rank))
+                            entry.setdefault(tok, self._logprob(request, tok, val, rank))
                     request.prompt_logprobs.append(entry)
                 row += 1
 
@@ -278,7 +311,7 @@ class LLMEngine:
     def _completion(self, index: int, seq: Request) -> CompletionOutput:
         return CompletionOutput(
             index=index,
-            text=seq.detokenizer.visible_text(seq.finished),
+            text=seq.detokenizer.visible_text(seq.finished) if seq.detokenizer is not None else "",
             token_ids=list(seq.output_token_ids),
             cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
             logprobs=seq.output_logprobs if seq.params.logprobs is not None else None,
@@ -298,6 +331,8 @@ class LLMEngine:
             finished=finished,
             first_token_time=min((s.first_token_time for s in sequences if s.first_token_time), default=None),
             prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
+            metrics=replace(first.metrics),  # a snapshot: the request's own copy changes as it runs
+            num_cached_tokens=first.num_cached_tokens,
         )
         if finished:
             del self.groups[request_id]

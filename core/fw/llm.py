@@ -3,19 +3,30 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from tqdm.auto import tqdm
 
 from fw.chat import apply_chat_template
 from fw.config import cli_options, load_config
 from fw.engine import LLMEngine
+from fw.generation_config import sampling_defaults
+from fw.inputs import PromptType, TokensPrompt, parse_prompts
 from fw.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from fw.sampling_params import BeamSearchParams, SamplingParams
+from fw.tokenizer import Tokenizer
 
 
 def _config_paths() -> dict[str, str]:
-    """Keyword -> configuration path: the flag names with underscores (``max_num_seqs``, ``attention``)."""
-    return {o.flag[2:].replace("-", "_"): o.path for o in cli_options()}
+    """Keyword -> configuration path: the long flag names and aliases with underscores (``max_num_seqs``,
+    ``attention``, ``quantization``)."""
+    return {
+        flag[2:].replace("-", "_"): o.path
+        for o in cli_options()
+        for flag in (o.flag, *o.aliases)
+        if flag.startswith("--")
+    }
 
 
 class LLM:
@@ -31,52 +42,103 @@ class LLM:
         for key, value in values.items():
             if value is not None:
                 section, _, leaf = paths[key].partition(".")
+                if leaf in cli.get(section, {}):
+                    raise TypeError(f"LLM() got two arguments for {paths[key]} (an alias and its flag name)")
                 cli.setdefault(section, {})[leaf] = value
         resolved = load_config(config_files, cli, {paths[k]: f"LLM({k}=...)" for k in values})
         self.llm_engine = LLMEngine(resolved.config)
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Tokenizer:
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no params: the model's generation_config.json defaults
+        (per ``generation_config``), as vLLM's LLM does."""
+        return SamplingParams(**sampling_defaults(self.llm_engine.config.model))
 
     def generate(
         self,
-        prompts: str | list[int] | Sequence[str] | Sequence[list[int]],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: Any = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        ``use_tqdm``: a progress bar, or the tqdm class to draw it with. ``priority``: one per prompt, lower
+        first; needs ``scheduling_policy="priority"``.
+        """
+        if lora_request is not None:
+            raise NotImplementedError("lora_request: fw does not serve LoRA adapters")
+        prompts = parse_prompts(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
+        priority = [0] * len(prompts) if priority is None else priority
+        for name, values in (("sampling params", sampling_params), ("priorities", priority)):
+            if len(values) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(values)} {name}")
         engine = self.llm_engine
-        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params, strict=True)]
+        ids: list[str] = []
+        try:
+            for prompt, params, rank in zip(prompts, sampling_params, priority, strict=True):
+                ids.append(engine.add_request(prompt, params, priority=rank))
+        except Exception:
+            for request_id in ids:  # a bad prompt rejects the whole call
+                engine.abort_request(request_id)
+            raise
+        bar = None
+        if use_tqdm:
+            bar_class = use_tqdm if callable(use_tqdm) else tqdm
+            bar = bar_class(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         done: dict[str, RequestOutput] = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return [done[i] for i in ids]
 
     def chat(
         self,
         messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: Any = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+        """Render each conversation with the chat template, then generate; ``RequestOutput.prompt`` is the
+        rendered text. ``chat_template_kwargs`` reach the template (and may override the flags before them)."""
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format {chat_template_content_format!r}: fw renders content "
+                             "parts as strings ('auto' or 'string')")
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs: fw serves text-only models")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.llm_engine.tokenizer
-        prompts = [
-            tokenizer.encode(apply_chat_template(tokenizer, conv, add_generation_prompt, chat_template),
-                             add_special_tokens=False)
-            for conv in conversations
-        ]
-        return self.generate(prompts, sampling_params)
+        options = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "tools": tools,
+            **(chat_template_kwargs or {}),
+        }
+        texts = [apply_chat_template(tokenizer, conv, template=chat_template, **options) for conv in conversations]
+        prompts = [TokensPrompt(prompt_token_ids=tokenizer.encode(text, add_special_tokens=False), prompt=text)
+                   for text in texts]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
-    def beam_search(self, prompts: Sequence[str | list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search, for a sampler plugin with the "beam" feature (``sampler="beam"``)."""
         engine = self.llm_engine
         if "beam" not in engine.sampler_features:
@@ -84,7 +146,7 @@ class LLM:
                 f"beam search needs a sampler with the 'beam' feature (e.g. sampler='beam'); "
                 f"the selected sampler is {engine.selected['sampler']!r}"
             )
-        token_ids = [engine.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        token_ids = [engine.prompt_token_ids(p) for p in parse_prompts(prompts)]
         results = engine.sampler.beam_search(engine, token_ids, params)
         return [
             BeamSearchOutput(

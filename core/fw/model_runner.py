@@ -78,4 +78,7 @@ class ModelRunner:
         with set_forward_context(self.attention.prepare(batch), self.kv_caches):
             hidden = self.model(input_ids, positions)
         rows = torch.tensor(inputs.logit_positions, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows]).float()
+        logits = self.model.compute_logits(hidden[rows])
+        if logits.dtype != torch.float32:  # widening here would hide ties that rounding already made
+            raise TypeError(f"{type(self.model).__name__}.compute_logits returned {logits.dtype}; logits must be float32")
+        return logits

@@ -6,18 +6,42 @@ from dataclasses import dataclass
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability at one position, as vLLM returns it."""
+
+    logprob: float
+    rank: int | None = None  # 1 for the most likely token
+    decoded_token: str | None = None
+
+
+# Per position: {token id: Logprob} for the chosen (or prompt) token and the top-N alternatives.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    # Per token, when asked for: {token id: (logprob, rank)} for the chosen token and the top-N alternatives.
-    logprobs: list[dict[int, tuple[float, int]]] | None = None
+    logprobs: list[PositionLogprobs] | None = None  # per output token, when asked for
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: str | int | None = None  # the stop string or token id; "repetition" for a repeating n-gram
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """When a request reached each stage, in time.time() seconds, with vLLM's names."""
+
+    arrival_time: float
+    last_token_time: float  # the latest output token's; the arrival until the first
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    time_in_queue: float | None = None  # first_scheduled_time - arrival_time
+    finished_time: float | None = None
 
 
 @dataclass
@@ -28,7 +52,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     first_token_time: float | None = None  # time.monotonic() when the first output token was sampled
-    prompt_logprobs: list[dict[int, tuple[float, int]] | None] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # None for the first prompt token
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served when first scheduled
 
 
 @dataclass

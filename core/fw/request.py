@@ -8,9 +8,15 @@ import time
 from dataclasses import dataclass, field
 
 from fw.detokenizer import IncrementalDetokenizer
+from fw.outputs import PositionLogprobs, RequestMetrics
 from fw.sampling_params import SamplingParams
 
 _arrival = itertools.count()
+
+
+def new_metrics() -> RequestMetrics:
+    now = time.time()
+    return RequestMetrics(arrival_time=now, last_token_time=now)
 
 
 class Status(enum.Enum):
@@ -32,10 +38,10 @@ class Request:
     group_id: str = ""  # the client's request id; differs from request_id for the sequences of n > 1
     output_token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float = 0.0
-    # Per output token, when params.logprobs is set: {token id: (logprob, rank)} for the chosen token and the top N.
-    output_logprobs: list[dict[int, tuple[float, int]]] = field(default_factory=list)
+    # Per output token, when params.logprobs is set: the chosen token and the top N.
+    output_logprobs: list[PositionLogprobs] = field(default_factory=list)
     # Per prompt token, when params.prompt_logprobs is set (None for the first token, which nothing predicts).
-    prompt_logprobs: list[dict[int, tuple[float, int]] | None] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     # Tokens whose KV is in the cache; the next step computes from here.
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
@@ -45,6 +51,10 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     num_preemptions: int = 0
+    cache_keys: tuple = ()  # extra prefix-cache hash keys (the prompt's cache_salt): no sharing across them
+    # Shared by the sequences of an n > 1 request, so they report as one: first to start, last to finish.
+    metrics: RequestMetrics = field(default_factory=new_metrics)
+    num_cached_tokens: int | None = None  # prefix-cache hit at the first scheduling (None until then)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -58,10 +68,21 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def scheduled(self, num_cached_tokens: int) -> None:
+        """Admitted to run; a request resumed after preemption keeps its first numbers."""
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = num_cached_tokens
+        if self.metrics.first_scheduled_time is None:
+            self.metrics.first_scheduled_time = time.time()
+            self.metrics.time_in_queue = self.metrics.first_scheduled_time - self.metrics.arrival_time
+
     def append_token(self, token: int, logprob: float | None = None) -> None:
         """Record a sampled token and decide whether the request is done."""
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+        self.metrics.last_token_time = time.time()
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = self.metrics.last_token_time
         self.output_token_ids.append(token)
         if logprob is not None:
             self.cumulative_logprob += logprob
@@ -91,3 +112,4 @@ class Request:
     def _finish(self, reason: str, stop_reason: str | int | None) -> None:
         self.finish_reason, self.stop_reason = reason, stop_reason
         self.status = Status.FINISHED
+        self.metrics.finished_time = time.time()

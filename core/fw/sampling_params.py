@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # Below this a temperature means greedy; tiny positive values are clamped up to it so logits/T stays finite.
@@ -60,7 +60,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16
@@ -68,6 +68,12 @@ class SamplingParams:
     logprobs: int | None = None  # top-N log-probabilities per output token (0: only the chosen token's)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, empty text (and no stop strings)
+    # Only these tokens may be generated.
+    allowed_token_ids: list[int] | None = None
+    # Never generate these words: a word's last token is banned where the output ends with the tokens before it.
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens (-1: max_model_len)
     # End the request when an n-gram of this size repeats `repetition_max_repeats` times in a row (0: off).
     repetition_ngram_size: int = 0
     repetition_max_repeats: int = 0
@@ -77,6 +83,10 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         max_tokens = self.max_tokens
@@ -100,6 +110,13 @@ class SamplingParams:
              "must be >= 2 when repetition_ngram_size is set"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "must be non-negative token ids"),
+            ("allowed_token_ids", self.allowed_token_ids is None or (
+                self.allowed_token_ids and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
+             "must be a non-empty list of non-negative token ids"),
+            ("bad_words", all(isinstance(w, str) and w.strip() for w in self.bad_words), "must be non-blank strings"),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1,
+             "must be -1 (max_model_len) or >= 1"),
+            ("stop", self.detokenize or not self.stop, "needs detokenize=True"),
         ]
         for name, ok, message in checks:
             if not ok:

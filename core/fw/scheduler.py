@@ -93,7 +93,10 @@ class Scheduler:
             request = next((r for r in self.waiting if self.is_ready(r.request_id)), None)
             if request is None:
                 break
-            cached = self.kv.get_computed_blocks(request.request_id, request.all_token_ids)
+            # Prompt logprobs need every prompt position computed, so such requests skip the cache (as in vLLM).
+            cached = 0 if request.params.prompt_logprobs is not None else self.kv.get_computed_blocks(
+                request.request_id, request.all_token_ids, request.cache_keys
+            )
             num_new = request.num_tokens - cached
             if num_new > budget and not self.chunked_prefill:
                 self.kv.free(request.request_id)
@@ -105,6 +108,7 @@ class Scheduler:
             self.waiting.remove(request)
             request.num_computed_tokens = cached
             request.status = Status.RUNNING
+            request.scheduled(cached)
             self.running.append(request)
             batch.requests.append(request)
             batch.num_new.append(num_new)
@@ -162,7 +166,9 @@ class Scheduler:
         sampled = dict(zip(inputs.sample_rows, range(len(tokens)), strict=True))
         for i, (request, n) in enumerate(zip(batch.requests, batch.num_new, strict=True)):
             request.num_computed_tokens += n
-            self.kv.cache_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            self.kv.cache_blocks(
+                request.request_id, request.all_token_ids, request.num_computed_tokens, request.cache_keys
+            )
             if i in sampled:
                 j = sampled[i]
                 request.append_token(tokens[j], logprobs[j] if logprobs is not None else None)

@@ -132,6 +132,7 @@ def check(
             except (ValidationError, plugins.PluginError) as exc:
                 result.problems.append(f"{field_name}.options: {_short(exc)}")
     _check_cross_slot(req, result)
+    result.problems.extend(_not_implemented(config))
     for extra in plugins.get_plugin_manager().hook.fw_validate(config=config, requirements=req):
         result.problems.extend(extra or [])
     return result
@@ -146,6 +147,20 @@ def _auto_quant(req: Requirements, result: CheckResult) -> str | None:
     result.problems.append(f"no quant plugin loads {fmt!r} checkpoints (installed: "
                            f"{', '.join(sorted({s.name for s in plugins.available('quant').values()})) or 'none'})")
     return None
+
+
+def _not_implemented(config: FwConfig) -> list[str]:
+    """Settings the configuration holds for later work: refused, never accepted and ignored."""
+    parallel, cache, connector = config.parallel, config.cache, config.kv_connector.name
+    refused = [
+        (parallel.pipeline_parallel_size != 1,
+         f"--pipeline-parallel-size (-pp) {parallel.pipeline_parallel_size}: pipeline parallelism"),
+        (parallel.data_parallel_size != 1, f"--data-parallel-size (-dp) {parallel.data_parallel_size}: data parallelism"),
+        (connector is not None, f"--kv-connector {connector}: driving a KV connector from the engine"),
+        (cache.kv_cache_dtype != "auto",
+         f"--kv-cache-dtype {cache.kv_cache_dtype}: a KV cache in another dtype than the model's (use auto)"),
+    ]
+    return [f"{what} is not implemented yet" for given, what in refused if given]
 
 
 def _check_cross_slot(req: Requirements, result: CheckResult) -> None:

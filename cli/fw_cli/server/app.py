@@ -1,14 +1,17 @@
-"""The OpenAI-compatible HTTP server behind `fw serve`."""
+"""The OpenAI-compatible HTTP server behind `fw serve`, with vLLM's extensions."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import logging
+import reprlib
 import secrets
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -21,11 +24,26 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fw import __version__
 from fw.async_engine import AsyncEngine
 from fw.chat import ChatTemplateError, apply_chat_template, load_template
+from fw.config import ServerSection
 from fw.engine import EngineError
-from fw.outputs import CompletionOutput, RequestOutput
-from fw.sampling_params import SamplingParamsError
+from fw.inputs import TokensPrompt
+from fw.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from fw.sampling_params import SamplingParams, SamplingParamsError
 from fw_cli.server.metrics import Metrics
-from fw_cli.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from fw_cli.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    StreamOptions,
+    TokenizeRequest,
+)
+
+log = logging.getLogger("fw.server")
+_NEUTRAL = SamplingParams()
+MIN_LOGPROB = -9999.0  # JSON has no -inf: OpenAI and vLLM send this instead
+# What the engine runs: (prompt, params, engine request id, priority), as AsyncEngine.generate_many takes them.
+Submission = tuple[TokensPrompt, SamplingParams, str, int]
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -33,226 +51,342 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     loc = [str(p) for p in first["loc"] if p != "body"]
     if first["type"] == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first['msg']}")
-    if first["type"] == "extra_forbidden":
-        return APIError(400, f"Unrecognized request argument supplied: {loc[-1]}", param=loc[-1])
     return APIError(400, f"{'.'.join(loc) or 'body'}: {first['msg']}", param=".".join(loc) or None)
 
 
+@contextlib.contextmanager
+def _as_400() -> Iterator[None]:
+    """Request errors the engine or SamplingParams find become 400s naming the field."""
+    try:
+        yield
+    except (EngineError, SamplingParamsError) as exc:
+        raise APIError(400, str(exc), param=getattr(exc, "field", None)) from None
+
+
+def _summary(params: SamplingParams) -> str:
+    """The settings that differ from SamplingParams(), each shortened, for the per-request log line."""
+    return ", ".join(
+        f"{f.name}={reprlib.repr(getattr(params, f.name))}"
+        for f in dataclasses.fields(params)
+        if getattr(params, f.name) != getattr(_NEUTRAL, f.name)
+    )
+
+
 class Server:
-    def __init__(self, engine: AsyncEngine, served_model_name: str, api_key: str | None, chat_template: str | None):
+    def __init__(self, engine: AsyncEngine, served_model_name: str, settings: ServerSection,
+                 defaults: dict[str, Any] | None = None):
         self.engine = engine
+        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.engine.max_model_len
         self.model_name = served_model_name
-        self.api_key = api_key
-        self.chat_template = load_template(chat_template)
+        self.api_key = settings.api_key.get_secret_value() if settings.api_key else None
+        self.chat_template = load_template(settings.chat_template)
+        self.max_logprobs = settings.max_logprobs
+        self.log_requests = not settings.disable_log_requests
+        self.defaults = defaults or {}  # SamplingParams values for fields a request leaves unset
         self.metrics = Metrics(engine.engine)
         self.created = int(time.time())
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
             raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model", "model_not_found")
 
-    async def _collect(self, prompt, params, request_id: str) -> RequestOutput:
-        final = None
-        async for output in self.engine.generate(prompt, params, request_id):
-            final = output
-        return final
+    @staticmethod
+    def _request_id(body, http: Request) -> str:
+        """The X-Request-Id header, else the body's request_id (vLLM's order), else a fresh one."""
+        return http.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex
 
-    def _sampling(self, body, max_tokens, logprobs, response_format=None):
+    def _prompt(self, prompt: str | list[int], body) -> TokensPrompt:
+        """Token ids as the request asks (special tokens, truncation to the last k), with the text to echo."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            ids = list(prompt)
+        keep = self.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
+        if keep is not None and len(ids) > keep:
+            ids = ids[-keep:]
+        elif isinstance(prompt, str):
+            return TokensPrompt(prompt_token_ids=ids, prompt=prompt)
+        # Token ids, or a truncated text: the text echoed is what the ids decode to.
+        return TokensPrompt(prompt_token_ids=ids, prompt=self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> TokensPrompt:
+        continue_final = body.continue_final_message
         try:
-            return body.sampling_params(max_tokens, logprobs, response_format)
-        except SamplingParamsError as exc:
-            raise APIError(400, str(exc), param=exc.field) from None
+            text = apply_chat_template(
+                self.tokenizer,
+                [m.for_template() for m in body.messages],
+                not continue_final if body.add_generation_prompt is None else body.add_generation_prompt,
+                body.chat_template or self.chat_template,
+                continue_final_message=continue_final,
+                **(body.chat_template_kwargs or {}),
+            )
+        except ChatTemplateError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        ids = self.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        return TokensPrompt(prompt_token_ids=ids, prompt=text)
+
+    def _submissions(self, body, prompts: list[TokensPrompt], request_id: str) -> list[Submission]:
+        """Each prompt's engine request (ids ``request_id-i`` for several), logged as vLLM logs them."""
+        with _as_400():
+            params = body.sampling_params(self.defaults, self.max_logprobs)
+            submissions = []
+            for i, prompt in enumerate(prompts):
+                prompt_len = len(prompt["prompt_token_ids"])
+                sampling = dataclasses.replace(
+                    params, max_tokens=body.resolve_max_tokens(prompt_len, self.max_model_len, self.defaults)
+                )
+                engine_id = f"{request_id}-{i}" if len(prompts) > 1 else request_id
+                if self.log_requests:
+                    log.info("Received request %s: prompt tokens: %d, params: %s", engine_id, prompt_len,
+                             _summary(sampling))
+                submissions.append((prompt, sampling, engine_id, body.priority))
+        return submissions
+
+    async def _run(self, submissions: list[Submission]) -> list[RequestOutput]:
+        """All requests to their end, admitted together so the scheduler batches them; outputs in order."""
+        outputs: list[RequestOutput] = [None] * len(submissions)  # type: ignore[list-item]
+        start = time.monotonic()
+        with _as_400():
+            async for i, out in self.engine.generate_many(submissions):
+                outputs[i] = out
+                if out.finished:
+                    self.metrics.observe_request(out, start)
+        return outputs
 
     # --- /v1/completions -----------------------------------------------------
 
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
         self.check_model(body.model)
-        params = self._sampling(body, body.max_tokens, body.logprobs)
-        prompts = body.prompts()
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        if body.suffix is not None:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if body.best_of not in (None, body.n):
+            raise APIError(400, f"best_of must equal n ({body.n}): every sampled sequence is returned", param="best_of")
+        request_id = self._request_id(body, http)
+        response_id = f"cmpl-{request_id}"
+        submissions = self._submissions(body, [self._prompt(p, body) for p in body.prompts()], response_id)
         if body.stream:
-            if len(prompts) != 1:
-                raise APIError(400, "streaming takes a single prompt", param="prompt")
-            stream = self._stream_completion(body, prompts[0], params, request_id, http)
-            return await self._start_stream(stream)
-        outputs = []
-        for i, prompt in enumerate(prompts):
-            start = time.monotonic()
-            outputs.append(await self._guarded(self._collect(prompt, params, f"{request_id}-{i}")))
-            self.metrics.observe_request(outputs[-1], start)
-        choices, prompt_tokens, completion_tokens = [], 0, 0
-        for p_index, out in enumerate(outputs):
-            prompt_tokens += len(out.prompt_token_ids)
-            for comp in out.outputs:
-                completion_tokens += len(comp.token_ids)
-                text = (out.prompt or "") + comp.text if body.echo else comp.text
-                choices.append(
-                    {
-                        "index": p_index * params.n + comp.index,
-                        "text": text,
-                        "logprobs": self._completion_logprobs(comp, body.logprobs) if body.logprobs is not None else None,
-                        "finish_reason": comp.finish_reason,
-                        "stop_reason": comp.stop_reason,
-                    }
-                )
-        return JSONResponse(
-            {
-                "id": request_id,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": self.model_name,
-                "choices": choices,
-                "usage": _usage(prompt_tokens, completion_tokens),
-            }
-        )
+            stream = self._stream_completion(body, submissions, response_id)
+            return await self._start_stream(stream, request_id)
+        outputs = await self._run(submissions)
+        choices = [self._completion_choice(body, p * body.n + comp.index, out, comp)
+                   for p, out in enumerate(outputs) for comp in out.outputs]
+        usage = _usage(sum(len(o.prompt_token_ids) for o in outputs),
+                       sum(len(c.token_ids) for o in outputs for c in o.outputs))
+        return JSONResponse({"id": response_id, "object": "text_completion", "created": int(time.time()),
+                             "model": self.model_name, "choices": choices, "usage": usage},
+                            headers={"X-Request-Id": request_id})
 
-    def _top(self, entry: dict[int, tuple[float, int]], n: int) -> list[tuple[str, float]]:
-        """The top-n alternatives of one position, best first, as (token text, logprob)."""
-        decode = self.engine.engine.tokenizer.decode
-        ranked = sorted((kv for kv in entry.items() if kv[1][1] <= n), key=lambda kv: kv[1][1])
-        return [(decode([token], skip_special_tokens=False), lp) for token, (lp, _rank) in ranked]
-
-    def _completion_logprobs(self, comp: CompletionOutput, n: int, start: int = 0) -> dict[str, Any]:
-        decode = self.engine.engine.tokenizer.decode
-        entries = comp.logprobs[start:] if comp.logprobs else []
-        token_ids = comp.token_ids[start : start + len(entries)]
-        return {
-            "tokens": [decode([t], skip_special_tokens=False) for t in token_ids],
-            "token_logprobs": [e[t][0] for t, e in zip(token_ids, entries, strict=True)],
-            "top_logprobs": [dict(self._top(e, n)) for e in entries],
-            "text_offset": [],
+    def _completion_choice(self, body: CompletionRequest, index: int, out: RequestOutput,
+                           comp: CompletionOutput) -> dict[str, Any]:
+        text, token_ids, entries = comp.text, comp.token_ids, comp.logprobs or []
+        if body.echo:  # the prompt ahead of the completion, its logprobs too (the first token's is null)
+            text, token_ids = out.prompt + text, out.prompt_token_ids + token_ids
+            entries = (out.prompt_logprobs or []) + entries
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": self._completion_logprobs(token_ids, entries, body.logprobs) if body.logprobs is not None else None,
+            "finish_reason": comp.finish_reason,
+            "stop_reason": comp.stop_reason,
         }
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _prompt_logprobs(out)
+        return choice
 
-    async def _stream_completion(self, body, prompt, params, request_id, http) -> AsyncIterator[str]:
-        def choice(comp: CompletionOutput, delta: str, first_token: int) -> dict[str, Any]:
-            logprobs = self._completion_logprobs(comp, params.logprobs, first_token) if params.logprobs is not None else None
-            return {"index": comp.index, "text": delta, "logprobs": logprobs, "finish_reason": comp.finish_reason}
+    def _top(self, entry: PositionLogprobs, n: int) -> list[tuple[str, float]]:
+        """The top-n alternatives of one position, best first, as (token text, logprob)."""
+        ranked = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= n), key=lambda lp: lp.rank)
+        return [(lp.decoded_token, max(lp.logprob, MIN_LOGPROB)) for lp in ranked]
 
-        async for item in self._stream(prompt, params, request_id, "text_completion", choice, body.stream_options):
-            yield item
+    def _token_text(self, token: int, entry: PositionLogprobs | None) -> str:
+        decoded = entry[token].decoded_token if entry is not None else None
+        return decoded if decoded is not None else self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def _completion_logprobs(self, token_ids: list[int], entries: list[PositionLogprobs | None], n: int,
+                             offset: int = 0) -> dict[str, Any]:
+        """OpenAI's completion logprobs; text_offset counts each token's text from ``offset``, as vLLM does."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, entry in zip(token_ids, entries, strict=False):
+            text = self._token_text(token, entry)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if entry is None else max(entry[token].logprob, MIN_LOGPROB))
+            out["top_logprobs"].append(None if entry is None else dict(self._top(entry, n)))
+            out["text_offset"].append(offset)
+            offset += len(text)
+        return out
+
+    def _stream_completion(self, body: CompletionRequest, submissions: list[Submission],
+                           response_id: str) -> AsyncIterator[str]:
+        def choice(out: RequestOutput, comp: CompletionOutput, sent: tuple[int, int] | None) -> dict[str, Any] | None:
+            chars, tokens = sent or (0, 0)
+            text, token_ids, entries = comp.text[chars:], comp.token_ids[tokens:], (comp.logprobs or [])[tokens:]
+            echo_now = body.echo and sent is None
+            if not (text or comp.finish_reason or (echo_now and comp.token_ids)):  # wait for the prompt's prefill
+                return None
+            offset = chars + (len(out.prompt) if body.echo else 0)
+            if echo_now:
+                text, token_ids = out.prompt + text, out.prompt_token_ids + token_ids
+                entries, offset = (out.prompt_logprobs or []) + entries, 0
+            logprobs = (self._completion_logprobs(token_ids, entries, body.logprobs, offset)
+                        if body.logprobs is not None else None)
+            return {"text": text, "logprobs": logprobs, "finish_reason": comp.finish_reason,
+                    "stop_reason": comp.stop_reason}
+
+        return self._stream(submissions, response_id, "text_completion", choice, body.stream_options)
 
     # --- /v1/chat/completions ------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
         self.check_model(body.model)
-        if body.tools or body.tool_choice not in (None, "none"):
-            raise APIError(400, "tool calling is not supported by this server", param="tools")
-        params = self._sampling(body, body.token_limit(), body.num_logprobs(), body.response_format)
-        tokenizer = self.engine.engine.tokenizer
-        try:
-            text = apply_chat_template(
-                tokenizer,
-                [m.flat() for m in body.messages],
-                body.add_generation_prompt,
-                load_template(body.chat_template) or self.chat_template,
-                **(body.chat_template_kwargs or {}),
-            )
-        except ChatTemplateError as exc:
-            raise APIError(400, str(exc), param="messages") from None
-        prompt = tokenizer.encode(text, add_special_tokens=False)
-        if params.max_tokens is None:
-            # OpenAI's default: as many as the context allows.
-            params.max_tokens = max(self.engine.engine.max_model_len - len(prompt), 1)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        # tools are given to the template only to be ignored with tool_choice "none"; absent, it means "auto"
+        if body.tool_choice != "none" and (body.tools or body.tool_choice is not None):
+            raise APIError(400, 'tool calling is not supported yet (tools are accepted with tool_choice "none")',
+                           param="tool_choice" if body.tool_choice is not None else "tools")
+        request_id = self._request_id(body, http)
+        response_id = f"chatcmpl-{request_id}"
+        submissions = self._submissions(body, [self._chat_prompt(body)], response_id)
+        n = submissions[0][1].logprobs
         if body.stream:
-            return await self._start_stream(self._stream_chat(body, prompt, params, request_id))
-        start = time.monotonic()
-        out = await self._guarded(self._collect(prompt, params, request_id))
-        self.metrics.observe_request(out, start)
+            return await self._start_stream(self._stream_chat(body, submissions, response_id), request_id)
+        (out,) = await self._run(submissions)
         choices = [
             {
                 "index": comp.index,
                 "message": {"role": "assistant", "content": comp.text},
-                "logprobs": {"content": self._chat_logprobs(comp, params.logprobs)} if params.logprobs is not None else None,
+                "logprobs": {"content": self._chat_logprobs(comp.token_ids, comp.logprobs or [], n)}
+                if n is not None else None,
                 "finish_reason": comp.finish_reason,
                 "stop_reason": comp.stop_reason,
             }
             for comp in out.outputs
         ]
-        usage = _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
-        return JSONResponse({"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                             "model": self.model_name, "choices": choices, "usage": usage})
+        response = {"id": response_id, "object": "chat.completion", "created": int(time.time()),
+                    "model": self.model_name, "choices": choices,
+                    "usage": _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
+        if body.prompt_logprobs is not None:
+            response["prompt_logprobs"] = _prompt_logprobs(out)
+        return JSONResponse(response, headers={"X-Request-Id": request_id})
 
-    def _chat_logprobs(self, comp: CompletionOutput, n: int, start: int = 0) -> list[dict[str, Any]]:
-        decode = self.engine.engine.tokenizer.decode
-        entries = comp.logprobs[start:] if comp.logprobs else []
+    def _chat_logprobs(self, token_ids: list[int], entries: list[PositionLogprobs], n: int) -> list[dict[str, Any]]:
         out = []
-        for token, entry in zip(comp.token_ids[start:], entries, strict=False):
-            text = decode([token], skip_special_tokens=False)
+        for token, entry in zip(token_ids, entries, strict=False):
+            text = self._token_text(token, entry)
             out.append({
                 "token": text,
-                "logprob": entry[token][0],
+                "logprob": max(entry[token].logprob, MIN_LOGPROB),
                 "bytes": list(text.encode()),
                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in self._top(entry, n)],
             })
         return out
 
-    async def _stream_chat(self, body, prompt, params, request_id) -> AsyncIterator[str]:
-        def choice(comp: CompletionOutput, delta: str, first_token: int) -> dict[str, Any]:
+    def _stream_chat(self, body: ChatCompletionRequest, submissions: list[Submission],
+                     response_id: str) -> AsyncIterator[str]:
+        n = submissions[0][1].logprobs
+
+        def choice(_out: RequestOutput, comp: CompletionOutput, sent: tuple[int, int] | None) -> dict[str, Any] | None:
+            chars, tokens = sent or (0, 0)
+            text = comp.text[chars:]
+            if not text and comp.finish_reason is None:
+                return None
             logprobs = (
-                {"content": self._chat_logprobs(comp, params.logprobs, first_token)}
-                if params.logprobs is not None else None
+                {"content": self._chat_logprobs(comp.token_ids[tokens:], (comp.logprobs or [])[tokens:], n)}
+                if n is not None else None
             )
-            return {"index": comp.index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
-                    "finish_reason": comp.finish_reason}
+            return {"delta": {"content": text} if text else {}, "logprobs": logprobs, "finish_reason": comp.finish_reason}
 
         # OpenAI opens every choice with the assistant role.
         preamble = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                    for i in range(params.n)]
-        stream = self._stream(prompt, params, request_id, "chat.completion.chunk", choice, body.stream_options, preamble)
-        async for item in stream:
-            yield item
+                    for i in range(body.n)]
+        return self._stream(submissions, response_id, "chat.completion.chunk", choice, body.stream_options, preamble)
 
-    async def _stream(self, prompt, params, request_id, obj, choice, stream_options, preamble=None):
-        """Server-sent events: one chunk per new text of a choice, then usage if asked, then [DONE]."""
+    async def _stream(
+        self,
+        submissions: list[Submission],
+        response_id: str,
+        obj: str,
+        choice: Callable[[RequestOutput, CompletionOutput, tuple[int, int] | None], dict[str, Any] | None],
+        stream_options: StreamOptions | None,
+        preamble: list[dict[str, Any]] | None = None,
+    ) -> AsyncIterator[str]:
+        """Server-sent events: a chunk whenever ``choice`` has news for a choice (given the characters and tokens
+        already sent, None before its first chunk), indexed prompt * n + sequence as OpenAI does; usage in every
+        chunk with continuous_usage_stats, in a last one with include_usage; then [DONE]."""
+        created = int(time.time())
+        n = submissions[0][1].n
+        continuous = stream_options is not None and stream_options.continuous_usage_stats
 
         def event(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
-            data = {"id": request_id, "object": obj, "created": self.created, "model": self.model_name,
-                    "choices": choices}
+            data = {"id": response_id, "object": obj, "created": created, "model": self.model_name, "choices": choices}
             return _sse(data if usage is None else {**data, "usage": usage})
 
-        sent_text, sent_tokens = [0] * params.n, [0] * params.n
+        sent: dict[int, tuple[int, int]] = {}
+        finals: dict[int, RequestOutput] = {}
         start = time.monotonic()
-        final = None
-        async for out in self.engine.generate(prompt, params, request_id):
-            if final is None and preamble is not None:
-                yield event(preamble)
-            final = out
+        async for p, out in self.engine.generate_many(submissions):
+            if not finals and preamble is not None:
+                yield event(preamble, _usage(len(out.prompt_token_ids), 0) if continuous else None)
+            finals[p] = out
             for comp in out.outputs:
-                delta = comp.text[sent_text[comp.index] :]
-                if not delta and comp.finish_reason is None:
+                index = p * n + comp.index
+                item = choice(out, comp, sent.get(index))
+                if item is None:
                     continue
-                yield event([choice(comp, delta, sent_tokens[comp.index])])
-                sent_text[comp.index], sent_tokens[comp.index] = len(comp.text), len(comp.token_ids)
-        self.metrics.observe_request(final, start)
-        if stream_options and stream_options.include_usage:
-            yield event([], _usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)))
+                sent[index] = (len(comp.text), len(comp.token_ids))
+                yield event([{"index": index, **item}],
+                            _usage(len(out.prompt_token_ids), len(comp.token_ids)) if continuous else None)
+            if out.finished:
+                self.metrics.observe_request(out, start)
+        if stream_options is not None and stream_options.include_usage:
+            yield event([], _usage(sum(len(o.prompt_token_ids) for o in finals.values()),
+                                   sum(len(c.token_ids) for o in finals.values() for c in o.outputs)))
         yield "data: [DONE]\n\n"
+
+    # --- /tokenize, /detokenize (vLLM's) ----------------------------------------
+
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        if body.messages is not None:
+            ids = self._chat_prompt(body)["prompt_token_ids"]
+        else:
+            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        strs = [self.tokenizer.backend.id_to_token(t) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(body.model)
+        vocab = self.tokenizer.vocab_size
+        if any(t >= vocab for t in body.tokens):
+            raise APIError(400, f"tokens: token ids must be below the vocabulary size {vocab}", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     # --- helpers --------------------------------------------------------------
 
-    async def _guarded(self, awaitable):
-        """Run an engine call, turning request errors into 400s."""
-        try:
-            return await awaitable
-        except (EngineError, SamplingParamsError) as exc:
-            raise APIError(400, str(exc), param=getattr(exc, "field", None)) from None
-
-    async def _start_stream(self, stream: AsyncIterator[str]) -> StreamingResponse:
+    async def _start_stream(self, stream: AsyncIterator[str], request_id: str) -> StreamingResponse:
         """Admit the request before answering 200, so that a bad request still gets its 400."""
-        first = await self._guarded(stream.__anext__())
+        with _as_400():
+            first = await stream.__anext__()
 
         async def body() -> AsyncIterator[str]:
             yield first
             async for item in stream:
                 yield item
 
-        return StreamingResponse(body(), media_type="text/event-stream")
+        return StreamingResponse(body(), media_type="text/event-stream", headers={"X-Request-Id": request_id})
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _prompt_logprobs(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs: per prompt token, {token id: {logprob, rank, decoded_token}} (the first null)."""
+    return [
+        None if entry is None
+        else {str(t): {**dataclasses.asdict(lp), "logprob": max(lp.logprob, MIN_LOGPROB)} for t, lp in entry.items()}
+        for entry in out.prompt_logprobs or []
+    ]
 
 
 def _sse(data: dict[str, Any]) -> str:
@@ -283,7 +417,8 @@ def build_app(server: Server) -> FastAPI:
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        if server.api_key and request.url.path.startswith("/v1"):
+        path = request.url.path
+        if server.api_key and (path.startswith("/v1") or path in ("/tokenize", "/detokenize")):
             header = request.headers.get("authorization", "")
             if not secrets.compare_digest(header.encode(), f"Bearer {server.api_key}".encode()):
                 err = APIError(401, "Incorrect API key provided.", "AuthenticationError", code="invalid_api_key")
@@ -307,7 +442,7 @@ def build_app(server: Server) -> FastAPI:
         return {
             "object": "list",
             "data": [{"id": server.model_name, "object": "model", "created": server.created, "owned_by": "fw",
-                      "max_model_len": server.engine.engine.max_model_len}],
+                      "max_model_len": server.max_model_len}],
         }
 
     @app.post("/v1/completions")
@@ -317,6 +452,14 @@ def build_app(server: Server) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await server.chat(body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        return server.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return server.detokenize(body)
 
     return app
 
@@ -334,6 +477,7 @@ class _GracefulServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def run(server: Server, host: str, port: int) -> None:
-    config = uvicorn.Config(build_app(server), host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+def run(server: Server, host: str, port: int, log_level: str = "info") -> None:
+    """Serve until SIGTERM/SIGINT; uvicorn logs at ``log_level`` (info: a line per HTTP request)."""
+    config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
     _GracefulServer(config).run()

@@ -8,7 +8,8 @@ examples):
 - ``forward(input_ids [T], positions [T]) -> hidden states [T, hidden]``
   (attention layers read the step's KV cache and metadata from
   ``fw.forward_context``)
-- ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` (full vocabulary on every rank)
+- ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` float32, whatever the model's dtype (full
+  vocabulary on every rank; ``fw.layers.embedding.ParallelLMHead`` does this)
 - ``load_weights(weights: Iterable[tuple[str, Tensor]]) -> set[str]``
   (checkpoint names as in the Hugging Face checkpoint; returns the parameter names loaded)
 """

@@ -12,6 +12,10 @@ Qwen2-0.5B-shaped model in bf16 (``benchmarks/RESULTS.md``):
 - otherwise the plain ``[out, in]`` matrix and ``F.linear``.
 
 float32 always stays plain: it is the reference path tests compare against.
+
+The LM head is the exception to "output in the activation dtype": ``logits``
+returns float32 on every path (see ``pack_logits``), since bf16 logits turn
+near-ties into exact ties.
 """
 
 from __future__ import annotations
@@ -69,6 +73,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def pack_logits(weight: torch.Tensor) -> torch.Tensor:
+    """The LM head's weight for ``logits``: fw's layout where its kernel runs, plain bf16 for fw's portable
+    kernel, else a float32 copy (oneDNN's layouts and ``F.linear`` have no float32 output for bf16 inputs)."""
+    if not _cpu_bf16(weight):
+        return weight
+    if _native(weight):
+        return pack(weight)
+    return weight if native.load("fw_dense", _SOURCE) else weight.float()
+
+
+# Rows of a weight widened to float32 at a time off the CPU: bounds the temporary (64 MiB).
+_LOGIT_CHUNK_WEIGHTS = 1 << 24
+
+
+def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` in float32, never rounded to the activation dtype, for a ``pack_logits``-ed weight."""
+    flat = x.reshape(-1, x.shape[-1])
+    if weight.dim() == 4:
+        out = torch.ops.fw_dense.linear(flat, weight, None, True)
+    elif weight.dtype == torch.float32:
+        out = F.linear(flat.float(), weight)
+    elif _cpu_bf16(weight):
+        out = torch.ops.fw_dense.logits(flat, weight)
+    else:
+        rows = max(1, _LOGIT_CHUNK_WEIGHTS // weight.shape[1])
+        out = torch.cat([F.linear(flat.float(), chunk.float()) for chunk in weight.split(rows)], dim=-1)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def pack_parameter(module: torch.nn.Module, name: str = "weight") -> None:

@@ -54,15 +54,18 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.tied = True
 
     def process_weights_after_loading(self) -> None:
-        if self.tied:
-            # The embedding lookup needs the plain table: the head packs a copy.
-            self.register_buffer("packed_weight", dense.pack(self.weight), persistent=False)
+        packed = dense.pack_logits(self.weight)
+        if packed is self.weight:
+            return
+        if self.tied:  # the embedding lookup needs the plain table: the head keeps a packed copy
+            self.register_buffer("packed_weight", packed, persistent=False)
         else:
-            dense.pack_parameter(self)
+            del self.weight
+            self.register_buffer("weight", packed, persistent=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 logits over the full vocabulary, on every rank."""
-        logits = dense.linear(hidden, getattr(self, "packed_weight", self.weight))
+        """[N, hidden] -> float32 logits over the full vocabulary, on every rank, whatever the model's dtype."""
+        logits = dense.logits(hidden, getattr(self, "packed_weight", self.weight))
         if self.tp.world_size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
-        return logits[..., : self.num_embeddings].float()
+        return logits[..., : self.num_embeddings]

@@ -72,6 +72,6 @@ class BeamSearchSampler(DefaultSampler):
             outputs = {}
             while engine.has_unfinished_requests():
                 outputs.update({o.request_id: o for o in engine.step() if o.finished})
-            return [{t: lp for t, (lp, _rank) in outputs[i].outputs[0].logprobs[0].items()} for i in ids]
+            return [{t: lp.logprob for t, lp in outputs[i].outputs[0].logprobs[0].items()} for i in ids]
 
         return beam_search(prompts, params, engine.tokenizer.eos_token_id, next_tokens)

@@ -1,0 +1,133 @@
+"""Logits are float32 from the LM head on every path, so bf16 rounding never decides a greedy token.
+
+bf16 has 8 significant bits: at a logit of 20 its ulp is 0.125, and a
+first-token gap of 0.08 became an exact tie on one CPU, which greedy then
+broke by token id (the README's example answered in French).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from fw import native
+from fw.layers import dense
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _case(rows: int, vocab: int = 4096, hidden: int = 576):
+    gen = torch.Generator().manual_seed(rows)
+    x = (3 * torch.randn(rows, hidden, generator=gen)).bfloat16()
+    w = (0.05 * torch.randn(vocab, hidden, generator=gen)).bfloat16()
+    return x, w, x.double() @ w.double().T
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+    # Control: the same logits rounded to bf16 are far outside that tolerance, so the check can tell.
+    assert (ref.bfloat16().double() - ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_lm_head_product_is_float32_on_every_path(rows, monkeypatch):
+    x, w, ref = _case(rows)
+    head = dense.pack_logits(w)
+    if native.load("fw_dense", dense._SOURCE):  # the default path: fw's layout, or fw's portable kernel
+        assert head.dim() == 4 or head is w
+    _check(dense.logits(x, head), ref)
+    _check(dense.logits(x.float(), w.float()), ref)  # a float32 model
+    with monkeypatch.context() as m:  # no native kernels: a float32 copy of the head
+        m.setattr(dense, "_native", lambda weight: False)
+        m.setattr(native, "load", lambda name, source: False)
+        head = dense.pack_logits(w)
+        assert head.dtype == torch.float32
+        _check(dense.logits(x, head), ref)
+    with monkeypatch.context() as m:  # off the CPU: the bf16 weight widened a chunk at a time
+        m.setattr(dense, "_cpu_bf16", lambda weight: False)
+        m.setattr(dense, "_LOGIT_CHUNK_WEIGHTS", 1000 * 576)
+        _check(dense.logits(x, w), ref)
+
+
+def test_greedy_breaks_a_near_tie_by_the_float32_logits(tmp_path):
+    """Two vocabulary rows whose logits differ by less than a bf16 ulp: greedy takes the larger one."""
+    from fw import LLM, SamplingParams
+    from fw.testing.models import make_tiny_model
+
+    path = make_tiny_model("LlamaForCausalLM", tmp_path / "llama", dtype="bfloat16", tie_word_embeddings=False)
+    prompt, params = "The capital of France is", SamplingParams(temperature=0, max_tokens=1)
+
+    llm = LLM(path, num_kv_blocks=64)
+    captured = []
+    model = llm.llm_engine.executor.runner.model
+    model.lm_head.register_forward_pre_hook(lambda _m, args: captured.append(args[0].clone()))
+    llm.generate(prompt, params)
+    llm.shutdown()
+    hidden = captured[-1][-1].double()  # the bf16 hidden state the head sees for the first token
+
+    files = list(path.glob("*.safetensors"))
+    (file,) = [f for f in files if "lm_head.weight" in load_file(f)]
+    tensors = load_file(file)
+    weight = tensors["lm_head.weight"].clone()
+    logits = hidden @ weight.double().T
+    top = int(logits.argmax())
+    winner = weight.shape[0] - 1
+    # The winner copies the top row with one weight nudged by one bf16 step in the direction of the hidden
+    # state: a gap far below a bf16 ulp of the logit, far above float32 rounding of the sum.
+    scale = abs(float(logits[top]))
+    for j in hidden.abs().argsort().tolist():
+        row = weight[top].clone()
+        row[j : j + 1].view(torch.int16).add_(1 if (hidden[j] > 0) == (row[j] >= 0) else -1)
+        near = logits.clone()
+        near[winner] = row.double() @ hidden
+        if 1e-5 * scale < near[winner] - near[top] and near[winner].bfloat16() == near[top].bfloat16():
+            weight[winner] = row
+            break
+    else:
+        pytest.fail("no single-weight nudge makes a near-tie for this hidden state")
+    # Greedy takes the lower id of an exact tie, so the winner has the higher id: position cannot win it.
+    assert winner > top
+    tensors["lm_head.weight"] = weight
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+    llm = LLM(path, num_kv_blocks=64)
+    seen = []
+    sampler = llm.llm_engine.sampler
+    sample = sampler.sample
+    sampler.sample = lambda logits, batch: seen.append(logits.dtype) or sample(logits, batch)
+    out = llm.generate(prompt, params)[0]
+    llm.shutdown()
+    assert seen and set(seen) == {torch.float32}
+    assert out.outputs[0].token_ids == [winner]
+
+
+_README_CHAT = """
+import json, sys
+from fw import LLM, SamplingParams
+answers = {}
+for dtype in ("auto", "bfloat16", "float32"):
+    llm = LLM(dtype=dtype, max_model_len=512)
+    out = llm.chat(%s, SamplingParams(temperature=0, max_tokens=32))
+    answers[dtype] = out[0].outputs[0].text
+    llm.shutdown()
+print(json.dumps(answers))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("native_kernels", ["1", "0"])
+def test_readme_question_answers_paris_on_every_path(native_kernels):
+    """The README's question on the embedded default model: every dtype, native kernels on and off."""
+    env = {**os.environ, "FW_NATIVE": native_kernels}
+    done = subprocess.run([sys.executable, "-c", _README_CHAT % repr(QUESTION)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all("Paris" in text for text in answers.values()), answers
