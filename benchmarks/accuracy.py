@@ -1,7 +1,7 @@
 """Numerics of every fw execution path against a float32 reference: greedy agreement and first-token KL.
 
     python benchmarks/accuracy.py                            # the embedded default (SmolLM2 Q4_1 GGUF)
-    python benchmarks/accuracy.py --random-model /tmp/qwen05b  # also a random bf16 model (peers/make_model.py)
+    python benchmarks/accuracy.py --random-model /tmp/acc-qwen2  # also a random bf16 Qwen2 (built if missing)
 
 For each model, 56 fixed chat prompts are rendered with the model's chat template, then greedily continued
 for 32 tokens (end-of-sequence ignored, so every path is compared on all 32) by:
@@ -103,7 +103,7 @@ def reference_worker(model: str, prompt_ids: list[list[int]], out: Path) -> None
             first.append(logits.float().log_softmax(-1))
             for _ in range(OUTPUT_LEN):
                 seq.append(int(logits.argmax()))
-                step = hf(torch.tensor([[seq[-1]]]), past_key_values=step.past_key_values, use_cache=True)
+                step = hf(torch.tensor([[seq[-1]]]), cache=step.cache, use_cache=True)
                 logits = step.logits[0, -1]
             tokens.append(seq)
     torch.save({"tokens": tokens, "first": torch.stack(first)}, out)
@@ -191,7 +191,8 @@ def evaluate(model: str | None, work: Path) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--random-model", help="Also a random bf16 checkpoint (benchmarks/peers/make_model.py).")
+    p.add_argument("--random-model", help="Also a random bf16 checkpoint; a missing directory gets a Qwen2-shaped "
+                   "one (hidden 512, 8 layers) from fw.testing.models, small enough for a float32 reference.")
     p.add_argument("--json", help="Write the results here as well.")
     p.add_argument("--worker", choices=["fw", "reference", "llamacpp"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -204,6 +205,12 @@ def main() -> None:
     if args.worker:
         worker = reference_worker if args.worker == "reference" else llamacpp_worker
         return worker(args.model, json.loads(Path(args.prompt_ids).read_text()), Path(args.out))
+    if args.random_model and not Path(args.random_model).exists():
+        from fw.testing.models import make_tiny_model
+
+        make_tiny_model("Qwen2ForCausalLM", args.random_model, dtype="bfloat16", hidden_size=512, intermediate_size=1408,
+                        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                        max_position_embeddings=2048)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, model in [("embedded default", None), ("random bf16", args.random_model)]:

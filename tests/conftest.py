@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from fw.testing.models import make_tiny_model
 
@@ -98,6 +99,17 @@ def fw_serve(*args: str, env: dict[str, str] | None = None):
                     proc.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+
+def metric_values(base: str) -> dict[str, float]:
+    """A live server's /metrics: unlabelled samples, and counts summed over their labels."""
+    text = httpx.get(f"{base}/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.labels or sample.name.endswith("_count"):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -99,3 +99,14 @@ def test_plugin_options_alone_keep_the_slot_default_name():
     resolved = load_config(cli={"quant": {"options": {"dequantize": "true"}}})
     assert resolved.config.quant.name == "auto" and resolved.config.quant.options == {"dequantize": "true"}
     assert resolved.source("quant.name") == "default"
+
+
+def test_misspelled_keys_name_the_file_and_the_key(tmp_path):
+    bad = tmp_path / "layered.yaml"
+    bad.write_text("steplgo:\n  path: /tmp/x\nschedular:\n  max_num_seqs: 4\ncache:\n  block_sise: 32\n")
+    result = run_fw("config", "show", "--config", str(bad))
+    assert result.returncode == 2
+    assert f"steplgo (from {bad}): Extra inputs are not permitted" in result.stderr
+    assert f"schedular (from {bad}): Extra inputs are not permitted (did you mean 'scheduler'?)" in result.stderr
+    assert f"cache.block_sise = 32 (from {bad}): Extra inputs are not permitted (did you mean 'block_size'?)" \
+        in result.stderr

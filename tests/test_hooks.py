@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
+
+import pytest
 
 from conftest import run_fw
+from fw import hookimpl
 
 HOOKS = """
 import json, os
@@ -61,7 +66,8 @@ def fw_logits_processors(sampling_params):
 
 @hookimpl
 def fw_step_stats(stats):
-    _log("step", tokens=stats.num_scheduled_tokens)
+    _log("step", step=stats.step, prefill=stats.num_prefill_tokens, decode=stats.num_decode_tokens,
+         scheduled=stats.num_scheduled, tokens=stats.num_scheduled_tokens)
 
 @hookimpl
 def fw_request_finished(request_id, output):
@@ -102,10 +108,11 @@ def test_hooks_called_at_startup_and_validation(fake_site, tmp_path):
     assert result.returncode == 0, result.stderr
     assert [e["event"] for e in events(log)] == ["configure", "detect", "validate"]
     assert events(log)[0]["level"] == 2 and events(log)[1]["model_path"] == str(model)
-    rejected = run_fw("plugins", "check", "--device", "cpu", env={**env, "FW_AUDIT__REJECT": "1"}, pythonpath=site)
+    rejected = run_fw("plugins", "check", "--device", "cpu", "--model", str(model),
+                      env={**env, "FW_AUDIT__REJECT": "1"}, pythonpath=site)
     assert rejected.returncode == 1 and "audit says no" in rejected.stderr
-    disabled = run_fw("plugins", "check", "--device", "cpu", env={**env, "FW_DISABLE_PLUGINS": "audit"},
-                      pythonpath=site)
+    disabled = run_fw("plugins", "check", "--device", "cpu", "--model", str(model),
+                      env={**env, "FW_DISABLE_PLUGINS": "audit"}, pythonpath=site)
     assert disabled.returncode == 0
 
 
@@ -132,3 +139,97 @@ def test_engine_hooks_run_at_their_points(fake_site, tmp_path):
                      "request_finished", "unconfigure"]
     # The logits processor took effect: only token 7 could be sampled.
     assert seen[names.index("request_finished")]["token_ids"] == [7, 7, 7]
+    prompt = seen[names.index("request_added")]["n"]
+    steps = [{k: e[k] for k in ("step", "prefill", "decode", "scheduled", "tokens")} for e in seen if e["event"] == "step"]
+    assert steps == [
+        {"step": 0, "prefill": prompt, "decode": 0, "scheduled": 1, "tokens": prompt},
+        {"step": 1, "prefill": 0, "decode": 1, "scheduled": 1, "tokens": 1},
+        {"step": 2, "prefill": 0, "decode": 1, "scheduled": 1, "tokens": 1},
+    ]
+
+
+@pytest.fixture
+def register(request):
+    """Register a hooks plugin object in this process for one test."""
+    from fw import plugins
+
+    def add(plugin):
+        name = plugins.get_plugin_manager().register(plugin)
+        request.addfinalizer(lambda: plugins.get_plugin_manager().unregister(name=name))
+        return plugin
+
+    return add
+
+
+class Recorder:
+    def __init__(self):
+        self.events = []
+
+    @hookimpl
+    def fw_configure(self, config):
+        self.events.append(("configure", config.scheduler.max_num_seqs))
+
+    @hookimpl
+    def fw_engine_started(self, engine):
+        self.events.append(("started", engine.config.scheduler.max_num_seqs))
+
+    @hookimpl
+    def fw_step_stats(self, stats, engine):
+        self.events.append(("step", engine.config.scheduler.max_num_seqs))
+
+    @hookimpl
+    def fw_unconfigure(self, config):
+        self.events.append(("unconfigure", config.scheduler.max_num_seqs))
+
+
+def test_two_engines_in_one_process_each_see_their_own_configure(tiny, register):
+    from fw import LLM, SamplingParams
+
+    early = register(Recorder())
+    engine = {"num_kv_blocks": 16, "max_model_len": 128, "device": "cpu"}
+    first = LLM(tiny, max_num_seqs=3, **engine)
+    # Registered after the first engine started: it sees the second engine only, never a replay of the first.
+    late = register(Recorder())
+    second = LLM(tiny, max_num_seqs=5, **engine)
+    params = SamplingParams(max_tokens=1)
+    first.generate(["Hello"], params, use_tqdm=False)
+    second.generate(["Hello"], params, use_tqdm=False)
+    first.shutdown()
+    second.shutdown()
+    assert early.events == [("configure", 3), ("started", 3), ("configure", 5), ("started", 5), ("step", 3),
+                            ("step", 5), ("unconfigure", 3), ("unconfigure", 5)]
+    assert late.events == [("configure", 5), ("started", 5), ("step", 3), ("step", 5), ("unconfigure", 3),
+                           ("unconfigure", 5)]
+
+
+def test_step_stats_time_first_use_compilation_apart_from_the_forward_pass(tiny, register, monkeypatch):
+    from torch.utils import cpp_extension
+
+    from fw import LLM, SamplingParams, native
+
+    class Stats:
+        def __init__(self):
+            self.seen = []
+
+        @hookimpl
+        def fw_step_stats(self, stats):
+            self.seen.append(stats)
+
+    recorded = register(Stats())
+    build = cpp_extension.load
+
+    def slow_build(**kwargs):  # a kernel that takes 2 s to build; the real ones build as they do
+        return time.sleep(2) if kwargs["name"] == "fw_test_slow_build" else build(**kwargs)
+
+    monkeypatch.setattr(cpp_extension, "load", slow_build)
+    monkeypatch.setenv("FW_NATIVE", "1")
+    llm = LLM(tiny, num_kv_blocks=16, max_model_len=128, device="cpu")
+    runner = llm.llm_engine.executor.runner
+    forward = runner.execute
+    # The model builds its kernel on first use, inside the forward pass, as fw's CPU kernels do.
+    monkeypatch.setattr(runner, "execute", lambda inputs: native.load("fw_test_slow_build", Path("x.cpp")) and forward(inputs))
+    llm.generate(["Hello"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    llm.shutdown()
+    first, second = recorded.seen
+    assert first.compile_seconds >= 2 and first.forward_seconds < 2 <= first.step_seconds
+    assert second.compile_seconds < 2 and second.forward_seconds > 0  # built once

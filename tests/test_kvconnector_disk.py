@@ -17,7 +17,7 @@ PROMPT = list(range(1000, 1040))  # 40 tokens: two full blocks and a partial one
 
 
 def connector(tmp_path, role):
-    spec = get_spec("kvconnector", "disk")
+    spec = get_spec("kv_connector", "disk")
     options = spec.parse_options({"path": str(tmp_path), "role": role})
     halves = spec.load()
     return halves.scheduler(options, BLOCK_SIZE), halves.worker(options)
@@ -127,12 +127,12 @@ def test_files_from_another_model_shape_are_refused(tmp_path):
 def test_spec_is_light_and_validates_options():
     code = (
         "import sys; from fw.plugins import get_spec\n"
-        "spec = get_spec('kvconnector', 'disk')\n"
+        "spec = get_spec('kv_connector', 'disk')\n"
         "print('torch' in sys.modules, 'safetensors' in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False", "False"]
-    spec = get_spec("kvconnector", "disk")
+    spec = get_spec("kv_connector", "disk")
     assert spec.load() is KV_CONNECTOR
     assert spec.parse_options(None).role == "both"
     with pytest.raises(ValueError):

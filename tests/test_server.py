@@ -11,9 +11,8 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import fw_serve
+from conftest import fw_serve, metric_values
 
 
 @pytest.fixture(scope="module")
@@ -21,16 +20,6 @@ def server(tiny):
     with fw_serve("--model", tiny, "--served-model-name", "tiny", "--num-kv-blocks", "256",
                   "--max-model-len", "128", "--max-num-seqs", "64") as (base, _proc):
         yield base
-
-
-def metric_values(base: str) -> dict[str, float]:
-    text = httpx.get(f"{base}/metrics").text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if not sample.labels or sample.name.endswith("_count"):
-                out[sample.name] = out.get(sample.name, 0.0) + sample.value
-    return out
 
 
 def chat_body(content: str, **kw) -> dict:
@@ -178,15 +167,29 @@ def test_metrics_parse_and_move(server):
 
 
 def test_api_key(tiny):
-    with fw_serve("--model", tiny, "--num-kv-blocks", "64", "--max-model-len", "128",
+    with fw_serve("--model", tiny, "--num-kv-blocks", "64", "--max-model-len", "128", "--public-docs",
                   env={"FW_SERVER__API_KEY": "sekret"}) as (base, _):
         assert httpx.get(f"{base}/v1/models").status_code == 401
         wrong = httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        assert wrong.headers["www-authenticate"] == "Bearer"
         assert httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert httpx.get(f"{base}/v1/models", headers={"Authorization": "bearer sekret"}).status_code == 200
         assert httpx.post(f"{base}/tokenize", json={"prompt": "hi"}).status_code == 401
         assert httpx.post(f"{base}/detokenize", json={"tokens": [1]}, headers={"Authorization": "Bearer sekret"}).status_code == 200
         assert httpx.get(f"{base}/health").status_code == 200
+        for path in ("/metrics", "/version"):  # protected unless --public-metrics; /version always
+            assert httpx.get(f"{base}{path}").status_code == 401, path
+        for path in ("/docs", "/openapi.json", "/redoc"):  # --public-docs
+            assert httpx.get(f"{base}{path}").status_code == 200, path
+
+
+def test_an_empty_api_key_is_an_error(fw_cli, tmp_path):
+    empty = tmp_path / "key"
+    empty.write_text("\n")
+    for args, env in ((["--api-key", ""], {}), ([], {"FW_SERVER__API_KEY": ""}), (["--api-key-file", str(empty)], {})):
+        result = fw_cli("config", "show", *args, env=env)
+        assert result.returncode == 2 and "empty" in result.stderr, (args, env, result.stderr)
 
 
 def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny):

@@ -190,6 +190,15 @@ def test_refused_completion_requests(vserver, body, param):
     assert resp.json()["error"]["param"] == param
 
 
+def test_a_request_chat_template_is_refused_by_default(vserver):
+    base, _ = vserver
+    for template in ("{{ messages[0].content }}", "/etc/passwd", "/bin/ls"):
+        for path in ("/v1/chat/completions", "/tokenize"):
+            resp = post(base, path, {"messages": [{"role": "user", "content": "Hi"}], "chat_template": template})
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "chat_template", resp.text
+            assert "--allow-request-chat-template" in resp.json()["error"]["message"]
+
+
 def test_best_of_equal_to_n_and_chat_top_logprobs_limit(vserver):
     base, _ = vserver
     ok = post(base, "/v1/completions", {"prompt": "Hi", "best_of": 2, "n": 2, "max_tokens": 2})

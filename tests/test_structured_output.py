@@ -14,7 +14,7 @@ from tokenizers import AddedToken, decoders, models
 from tokenizers import Tokenizer as HFTokenizer
 
 from fw import LLM, SamplingParams
-from fw.interfaces.sampler import SamplingBatch
+from fw.interfaces.sampler import RequestError, SamplingBatch
 from fw.testing.conformance import SamplerConformance
 from fw.testing.models import make_tiny_model
 from fw.tokenizer import Tokenizer
@@ -202,11 +202,13 @@ def test_invalid_constraints_are_rejected_before_admission(llm, constraint, mess
     assert not engine.has_unfinished_requests()
 
 
-def test_compile_failure_ends_the_request_at_once(llm):
+def test_compile_failure_fails_the_call_and_leaves_the_engine_clean(llm):
     # Python accepts the lookahead inside the schema's pattern; only outlines-core's compiler rejects it.
     schema = {"type": "string", "pattern": "a(?=b)"}
-    (out,) = llm.generate("x", sampled(0, json=schema))
-    assert out.outputs[0].text == "" and out.outputs[0].finish_reason == "stop"
+    with pytest.raises(RequestError, match="failed to compile"):
+        llm.generate(["x", "y"], [sampled(0, json=schema), SamplingParams(max_tokens=2)])
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert len(llm.generate("x", SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
 
 
 # --- the sampler on hand-built batches ----------------------------------------------
@@ -302,13 +304,58 @@ def test_compiles_in_the_background_once_per_constraint(tokenizer):
     assert sampler.is_ready("b")  # the LRU already holds it
 
 
-def test_compile_failure_is_ready_forces_eos_and_keeps_the_error(tokenizer):
+def test_compile_failure_is_ready_and_fails_that_request_alone(tokenizer):
     sampler = OutlinesSampler()
     params = SamplingParams(structured_outputs={"json": {"type": "string", "pattern": "a(?=b)"}})
     sampler.add_request("r", params, tokenizer)
     wait_ready(sampler, "r")
-    assert allowed_ids(sampler, tokenizer, params, []) == {tokenizer.eos_token_id}
-    assert "failed to compile" in sampler.error("r")
+    batch = batch_of(["ok", "r"], [SamplingParams(), params], [[], []], tokenizer.eos_token_id)
+    with pytest.raises(RequestError) as failed:
+        sampler.constrain(torch.zeros(2, 512), batch)
+    assert list(failed.value.errors) == ["r"] and "failed to compile" in str(failed.value.errors["r"])
+
+
+def test_a_compile_past_its_time_limit_is_killed_and_one_nobody_awaits_is_cancelled(tokenizer):
+    sampler = OutlinesSampler(OutlinesOptions(compile_workers=1, compile_timeout=0.5))
+    slow = SamplingParams(structured_outputs={"regex": "(a|b)*a(a|b){24}"})  # minutes, gigabytes if let run
+    start = time.monotonic()
+    sampler.add_request("slow", slow, tokenizer)
+    wait_ready(sampler, "slow")
+    assert time.monotonic() - start < 5
+    with pytest.raises(RequestError, match="longer than 0.5 s to compile"):
+        sampler.constrain(torch.zeros(1, 512), batch_of(["slow"], [slow], [[]], tokenizer.eos_token_id))
+    # An aborted request's compilation stops at once: the one worker is free for the next constraint.
+    sampler = OutlinesSampler(OutlinesOptions(compile_workers=1, compile_timeout=60))
+    sampler.add_request("aborted", SamplingParams(structured_outputs={"regex": "(a|b)*a(a|b){25}"}), tokenizer)
+    time.sleep(0.3)
+    sampler.remove_request("aborted")
+    start = time.monotonic()
+    sampler.add_request("next", SamplingParams(structured_outputs={"choice": ["yes", "no"]}), tokenizer)
+    wait_ready(sampler, "next")
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [
+        ({"regex": "a{1000}"}, "a repetition of up to 1000"),
+        ({"json": {"type": "string", "maxLength": 100000}}, "a repetition of up to 100000"),
+        ({"regex": "a" * 40000}, "its regex has 40000 characters"),
+        ({"json": {"type": "integer", "maximum": float("inf")}}, "bounds must be finite"),
+        ({"json": {"const": float("nan")}}, "unsupported JSON schema"),
+    ],
+)
+def test_oversized_or_unbounded_constraints_are_refused_up_front(tokenizer, constraint, message):
+    with pytest.raises(ValueError, match=message):
+        OutlinesSampler().add_request("r", SamplingParams(structured_outputs=constraint), tokenizer)
+
+
+def test_a_schema_nested_too_deep_is_refused_before_it_is_walked(tokenizer):
+    deep: dict = {"type": "string"}
+    for _ in range(5000):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(ValueError, match="nested"):
+        OutlinesSampler().add_request("r", SamplingParams(structured_outputs={"json": deep}), tokenizer)
 
 
 def test_only_constrained_rows_are_masked(tokenizer):

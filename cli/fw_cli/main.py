@@ -43,24 +43,52 @@ def _caps_summary(spec: plugins.PluginSpec) -> str:
 
 
 def _all_discovered(kind: str | None) -> list[plugins.Discovered]:
-    kinds = [kind] if kind else [*plugins.KINDS, "hooks"]
+    kinds = [plugins.canonical_kind(kind)] if kind else [*plugins.KINDS, "hooks"]
     out: list[plugins.Discovered] = []
     for k in kinds:
         out.extend(plugins.discover_hooks() if k == "hooks" else plugins.discover(k))
     return out
 
 
+def _option_rows(model: type) -> list[dict[str, object]]:
+    """Each option of a plugin's options model: its type, allowed values, default and description."""
+    from typing import Literal, get_args, get_origin
+
+    rows = []
+    for name, info in model.model_fields.items():
+        annotation, allowed = info.annotation, []
+        if get_origin(annotation) is Literal:
+            allowed = [repr(v) for v in get_args(annotation)]
+            type_name = type(get_args(annotation)[0]).__name__
+        else:
+            type_name = annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+        for constraint in info.metadata:  # Field(gt=0, le=1) -> annotated_types.Gt(0), Le(1)
+            for attr, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+                if getattr(constraint, attr, None) is not None:
+                    allowed.append(f"{op} {getattr(constraint, attr)}")
+        default = "required" if info.is_required() else repr(info.get_default(call_default_factory=True))
+        rows.append({"name": name, "type": type_name, "allowed": allowed, "default": default,
+                     "description": info.description or ""})
+    return rows
+
+
+KIND_CHOICE = click.Choice([*plugins.KINDS, "hooks", *plugins.KIND_ALIASES])
+
+
 @plugins_group.command("list")
-@click.option("--kind", type=click.Choice([*plugins.KINDS, "hooks"]), help="Only this kind.")
+@click.option("--kind", type=KIND_CHOICE, help="Only this kind.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def plugins_list(kind: str | None, as_json: bool) -> None:
-    """Every installed plugin by kind: name, version, distribution, status, capabilities."""
+    """Every installed plugin by kind: name, priority, version, distribution, status, capabilities.
+
+    "auto" takes the plugin of highest priority that can run the model (`fw plugins check` says why)."""
     found = _all_discovered(kind)
     if as_json:
         rows = [
             {
                 "kind": d.kind,
                 "name": d.name,
+                "priority": d.spec.priority if d.spec else None,
                 "distribution": d.distribution,
                 "version": d.version,
                 "status": d.status,
@@ -78,15 +106,16 @@ def plugins_list(kind: str | None, as_json: bool) -> None:
             click.echo(f"{d.kind}:")
         dist = f"{d.distribution} {d.version}" if d.distribution else "(no distribution)"
         detail = _caps_summary(d.spec) if d.spec else (d.error or "")
-        click.echo(f"  {d.name:<14} {d.status:<8} {dist:<32} {detail}")
+        priority = f"priority={d.spec.priority}" if d.spec else ""
+        click.echo(f"  {d.name:<14} {d.status:<8} {priority:<12} {dist:<32} {detail}")
     for d in found:
         if d.error and d.enabled:
-            click.echo(f"warning: {d.kind} plugin {d.name!r} ({d.target}) is broken: {d.error}", err=True)
+            click.echo(f"warning: {d.label} is broken: {d.error}", err=True)
 
 
 @plugins_group.command("show")
 @click.argument("name")
-@click.option("--kind", type=click.Choice([*plugins.KINDS, "hooks"]), help="Disambiguate a name used by several kinds.")
+@click.option("--kind", type=KIND_CHOICE, help="Disambiguate a name used by several kinds.")
 def plugins_show(name: str, kind: str | None) -> None:
     """Everything known about one plugin."""
     matches = [d for d in _all_discovered(kind) if d.name == name or (d.spec and name in d.spec.aliases)]
@@ -102,33 +131,48 @@ def plugins_show(name: str, kind: str | None) -> None:
             click.echo(f"  description:  {d.spec.description}")
             click.echo(f"  implementation: {d.spec.impl}")
             click.echo(f"  api version:  {d.spec.api_version}")
+            click.echo(f"  priority:     {d.spec.priority} (auto takes the highest-priority plugin that fits)")
             if d.spec.aliases:
                 click.echo(f"  aliases:      {', '.join(d.spec.aliases)}")
             for key, value in d.spec.capabilities.describe().items():
                 click.echo(f"  {key}: {value}")
             if d.spec.options is not None:
-                schema = d.spec.options.model_json_schema().get("properties", {})
-                click.echo("  options:")
-                for opt, info in schema.items():
-                    click.echo(f"    {opt}: {info.get('type', '')} (default {info.get('default')!r}) {info.get('description', '')}")
+                click.echo(f"  options (--plugin-option {d.kind}.NAME=VALUE; lists and mappings as JSON or YAML):")
+                for row in _option_rows(d.spec.options):
+                    allowed = f", allowed {' '.join(row['allowed'])}" if row["allowed"] else ""
+                    click.echo(f"    {row['name']}: {row['type']}{allowed}, default {row['default']}. {row['description']}")
 
 
 @plugins_group.command("check")
 @config_options()
 def plugins_check(resolved: ResolvedConfig) -> None:
-    """Check that the chosen plugins can run the model on the device; list every problem."""
+    """Check that the chosen plugins can run the model on the device; list every problem.
+
+    Without --model, the default model (one an installed plugin provides) is checked, as `fw generate` would
+    run it; with neither, only the plugins. Says which model it checked and why "auto" chose each plugin.
+    """
     from fw.validate import check, check_model
 
     config = resolved.config
     plugins.configure(config)
-    # Without --model only the plugins are checked; with it, the model's needs too.
-    result = check_model(config).result if config.model.model else check(config)
+    given = config.model.model
+    if given or plugins.get_plugin_manager().hook.fw_default_model():
+        result = check_model(config).result  # takes the default model when none is given
+        model = f"model: {config.model.model}" + ("" if given else " (the default model: no --model given)")
+    else:
+        result = check(config)
+        model = "model: none given and no default model installed; checked the plugins only"
+    out = sys.stdout if result.ok else sys.stderr
+    click.echo(model, file=out)
+    for line in result.broken:
+        click.echo(f"passed over: {line}", file=out)
     if not result.ok:
         click.echo(result.report(), err=True)
         sys.exit(1)
     click.echo(f"ok: device={result.requirements.device}")
     for kind, spec in result.selected.items():
-        click.echo(f"  {kind}: {spec.name}")
+        reason = result.reasons.get(kind)
+        click.echo(f"  {kind}: {spec.name}" + (f"  ({reason})" if reason else ""))
 
 
 # --- fw config -------------------------------------------------------------
@@ -215,6 +259,8 @@ def serve(resolved: ResolvedConfig) -> None:
     if defaults:
         click.echo(f"fw serve: sampling defaults from the model's generation config: {defaults} "
                    "(--generation-config vllm ignores them)", err=True)
+    if resolved.source("server.api_key") == "--api-key":
+        click.echo("fw serve: warning: --api-key shows in `ps`; prefer FW_SERVER__API_KEY or --api-key-file", err=True)
     click.echo(f"fw serve: listening on http://{host}:{port}/v1", err=True)
     run(server, host, port, config.server.uvicorn_log_level)
 

@@ -84,7 +84,8 @@ def config_options(server: bool = False, model_argument: bool = False) -> Callab
             "--plugin-option",
             multiple=True,
             metavar="KIND.OPTION=VALUE",
-            help="Set a plugin option, e.g. sampler.mass=0.9 (KIND: attention, quant, comm, kvconnector, sampler).",
+            help="Set a plugin option, e.g. sampler.mass=0.9 or quant.skip=[o_proj] "
+            "(KIND: attention, quant, comm, kv_connector, sampler).",
         )(wrapper)
         wrapper = click.option(
             "--trust-remote-code",

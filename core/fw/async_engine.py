@@ -4,6 +4,11 @@ All engine calls happen on the engine thread (the engine is not thread-safe);
 the event loop only enqueues commands and receives outputs, so HTTP handling
 and engine steps overlap. A caller that stops iterating (client disconnect,
 cancellation) has its requests aborted and their KV blocks freed at once.
+
+One request cannot end another's: a step that fails is pinned on the requests
+that caused it where the engine can tell (``RequestError``), or else on the
+step's newest admissions; those fail with the error and the step runs again
+without them. Only a failure that recurs without them aborts everything.
 """
 
 from __future__ import annotations
@@ -16,20 +21,42 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from fw.engine import LLMEngine
+from fw.engine import EngineError, LLMEngine
 from fw.inputs import PromptType
+from fw.interfaces.sampler import RequestError
 from fw.outputs import RequestOutput
 from fw.sampling_params import SamplingParams
 
 log = logging.getLogger("fw")
 
 
+class _Outbox:
+    """A caller's unread outputs, on its event loop: only the newest per request, since an output holds all so
+    far (a slow reader holds one output per request, not one per step). An error is never replaced."""
+
+    def __init__(self) -> None:
+        self.unread: dict[int, RequestOutput | Exception] = {}
+        self.ready = asyncio.Event()
+
+    def put(self, index: int, item: RequestOutput | Exception) -> None:
+        if not isinstance(self.unread.get(index), Exception):
+            self.unread.pop(index, None)  # re-inserted: the caller reads news in the order they came
+            self.unread[index] = item
+            self.ready.set()
+
+    async def take(self) -> list[tuple[int, RequestOutput | Exception]]:
+        await self.ready.wait()
+        self.ready.clear()
+        items, self.unread = list(self.unread.items()), {}
+        return items
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
-        # Request id -> where its outputs go: the caller's loop, its queue, the request's index in its batch.
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
+        # Request id -> where its outputs go: the caller's loop, its outbox, the request's index in its batch.
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Outbox, int]] = {}
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="fw-engine", daemon=True)
         self._thread.start()
@@ -55,33 +82,61 @@ class AsyncEngine:
                 except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
                     future.set_exception(exc)
                 continue
-            try:
-                outputs = self.engine.step()
-            except Exception:  # a broken step must not hang every client: abort what runs, keep serving
-                log.exception("engine step failed; aborting the running requests")
-                outputs = [o for rid in list(self.engine.groups) if (o := self.engine.abort_request(rid))]
-            for output in outputs:
+            for output in self._step():
                 self._deliver(output)
 
-    def _deliver(self, output: RequestOutput) -> None:
+    def _step(self) -> list[RequestOutput]:
+        """An engine step; when it fails, the requests it is pinned on fail and it runs again (module doc)."""
+        blamed_newest = False
+        while self.engine.groups:
+            try:
+                return self.engine.step()
+            except Exception as exc:
+                named = exc.errors if isinstance(exc, RequestError) else {}
+                culprits = {request_id: e for request_id, e in named.items() if request_id in self.engine.groups}
+                if culprits:
+                    log.warning("engine step failed; failing the requests that caused it: %s", exc)
+                else:
+                    log.exception("engine step failed")
+                    # Requests that finished in a step that failed late would otherwise never be delivered.
+                    for request_id, sequences in list(self.engine.groups.items()):
+                        if all(seq.finished for seq in sequences):
+                            self._deliver(self.engine.abort_request(request_id))
+                    newest = {seq.group_id for seq in self.engine.scheduler.last_admitted}
+                    # Once it failed without the newest admissions too, nothing is left to blame but everything.
+                    culprits = dict.fromkeys(list(self.engine.groups) if blamed_newest else newest, exc)
+                    blamed_newest = True
+            for request_id, error in culprits.items():
+                self._fail(request_id, error)
+        return []
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        """Abort a request and hand its caller ``error``; a ValueError is the request's fault (an EngineError)."""
+        output = self.engine.abort_request(request_id)
+        if output is not None:
+            is_request_fault = isinstance(error, ValueError) and not isinstance(error, EngineError)
+            self._deliver(output, EngineError(str(error)) if is_request_fault else error)
+
+    def _deliver(self, output: RequestOutput, error: Exception | None = None) -> None:
         target = self._streams.get(output.request_id)
         if target is None:
             return
-        loop, q, index = target
-        loop.call_soon_threadsafe(q.put_nowait, (index, output))
+        loop, outbox, index = target
+        loop.call_soon_threadsafe(outbox.put, index, error or output)
         if output.finished:
             self._streams.pop(output.request_id, None)
 
     async def generate_many(
         self, requests: Sequence[tuple[PromptType, SamplingParams, str, int]]
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run (prompt, params, request id, priority) requests together: yield (index, output) after every step
-        a request takes part in, its last output finished.
+        """Run (prompt, params, request id, priority) requests together: yield (index, output) as they step (an
+        output a slow caller has not read yet is replaced by the next), each request's last output finished.
 
         All are admitted by one engine-thread command, so the scheduler batches them from the first step,
-        and a request the engine refuses fails them all before any output.
+        and a request the engine refuses fails them all before any output; so does one the engine fails later
+        (raising its error: an EngineError when the request's input is to blame).
         """
-        loop, q = asyncio.get_running_loop(), asyncio.Queue()
+        loop, outbox = asyncio.get_running_loop(), _Outbox()
         ids = [request_id for _prompt, _params, request_id, _priority in requests]
 
         def admit() -> None:
@@ -90,7 +145,7 @@ class AsyncEngine:
                 for index, (prompt, params, request_id, priority) in enumerate(requests):
                     self.engine.add_request(prompt, params, request_id, priority)
                     added.append(request_id)
-                    self._streams[request_id] = (loop, q, index)
+                    self._streams[request_id] = (loop, outbox, index)
             except BaseException:
                 self._abort_now(added)
                 raise
@@ -105,10 +160,12 @@ class AsyncEngine:
         pending = set(ids)
         try:
             while pending:
-                index, output = await q.get()
-                if output.finished:
-                    pending.discard(ids[index])
-                yield index, output
+                for index, item in await outbox.take():
+                    if isinstance(item, Exception):
+                        raise item
+                    if item.finished:
+                        pending.discard(ids[index])
+                    yield index, item
         finally:
             if pending:
                 self._call(lambda: self._abort_now(pending))

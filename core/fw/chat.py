@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import cache
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,12 +17,16 @@ class ChatTemplateError(ValueError):
     """The model has no chat template, or the template failed on these messages."""
 
 
+# Compiled templates kept, least recently used dropped: a server given many distinct templates stays bounded.
+TEMPLATE_CACHE_SIZE = 32
+
+
 def _raise(message: str) -> None:
     # Templates call raise_exception() to reject conversations they cannot render.
     raise TemplateError(message)
 
 
-@cache
+@lru_cache(maxsize=TEMPLATE_CACHE_SIZE)
 def _compile(template: str):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
@@ -44,8 +48,10 @@ def _part_text(part: Any, index: int) -> str:
     kind = type(part).__name__
     if isinstance(part, dict):
         kind = part.get("type", "text" if "text" in part else None)
-        if kind in ("text", "refusal") and isinstance(part.get(kind), str):
-            return part[kind]
+        if kind in ("text", "refusal"):
+            if isinstance(part.get(kind), str):
+                return part[kind]
+            raise ChatTemplateError(f"messages[{index}]: a {kind!r} content part needs a string {kind!r}")
     raise ChatTemplateError(
         f"messages[{index}]: content part type {kind!r} is not supported; fw serves text-only models "
         "(content parts of type 'text' only)"
@@ -75,6 +81,45 @@ def _open_final_message(rendered: str, content: Any) -> str:
     return rendered[: end + len(trailing)] if rendered.startswith(trailing, end) else rendered[:end]
 
 
+def render_chat(
+    template: str,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    variables: dict[str, Any] | None = None,
+    max_chars: int | None = None,
+) -> str:
+    """Render ``messages`` (normalized first) with ``template``; ``variables`` reach the template too.
+
+    ``continue_final_message`` leaves the final message open (no end-of-turn after it) for the model to
+    continue, e.g. a prefilled assistant reply; it excludes ``add_generation_prompt``. ``max_chars`` stops a
+    rendering that grows past it (`fw serve` also runs this in a worker process, under a time limit).
+    """
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError(
+            "continue_final_message and add_generation_prompt cannot both be set: the first continues the final "
+            "message, the second starts a new assistant message"
+        )
+    messages = normalize_messages(messages)
+    context = {**(variables or {}), "messages": messages, "add_generation_prompt": add_generation_prompt}
+    pieces, size = [], 0
+    try:
+        for piece in _compile(template).generate(context):
+            size += len(piece)
+            if max_chars is not None and size > max_chars:
+                raise ChatTemplateError(f"the chat template's output is longer than {max_chars} characters")
+            pieces.append(piece)
+    except ChatTemplateError:
+        raise
+    except Exception as exc:  # a template can fail on a conversation in any way (TypeError, RecursionError, ...)
+        detail = str(exc) if isinstance(exc, TemplateError) else f"{type(exc).__name__}: {exc}"
+        raise ChatTemplateError(f"the chat template failed: {detail}") from None
+    rendered = "".join(pieces)
+    if continue_final_message:
+        rendered = _open_final_message(rendered, messages[-1].get("content") if messages else None)
+    return rendered
+
+
 def apply_chat_template(
     tokenizer: Tokenizer,
     messages: list[dict[str, Any]],
@@ -84,30 +129,10 @@ def apply_chat_template(
     continue_final_message: bool = False,
     **kwargs: Any,
 ) -> str:
-    """Render ``messages`` (normalized first) with ``template`` or the model's; ``kwargs`` reach the template.
-
-    ``continue_final_message`` leaves the final message open (no end-of-turn after it) for the model to
-    continue, e.g. a prefilled assistant reply; it excludes ``add_generation_prompt``.
-    """
-    if continue_final_message and add_generation_prompt:
-        raise ChatTemplateError(
-            "continue_final_message and add_generation_prompt cannot both be set: the first continues the final "
-            "message, the second starts a new assistant message"
-        )
+    """``render_chat`` with ``template`` or the model's, and the tokenizer's special tokens; ``kwargs`` reach the
+    template."""
     template = template or tokenizer.chat_template
     if not template:
         raise ChatTemplateError("the model has no chat template; pass one with --chat-template")
-    messages = normalize_messages(messages)
-    try:
-        rendered = _compile(template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=tokenizer.bos_token or "",
-            eos_token=tokenizer.eos_token or "",
-            **kwargs,
-        )
-    except TemplateError as exc:
-        raise ChatTemplateError(f"the chat template failed: {exc}") from None
-    if continue_final_message:
-        rendered = _open_final_message(rendered, messages[-1].get("content") if messages else None)
-    return rendered
+    special = {"bos_token": tokenizer.bos_token or "", "eos_token": tokenizer.eos_token or ""}
+    return render_chat(template, messages, add_generation_prompt, continue_final_message, {**special, **kwargs})

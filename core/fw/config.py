@@ -15,6 +15,7 @@ flags with ``fw_cli_options``.
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
     YamlConfigSettingsSource,
 )
+
+from fw.plugins import canonical_kind
 
 ENV_PREFIX = "FW_"
 
@@ -129,9 +132,26 @@ def _choice(default: str | None, description: str) -> Any:
 class ServerSection(_Section):
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
-    api_key: SecretStr | None = Field(None, description="Require this bearer token (also FW_SERVER__API_KEY).")
+    api_key: SecretStr | None = Field(
+        None, description="Require this bearer token on every route but /health. A flag shows in `ps`: prefer "
+        "FW_SERVER__API_KEY or --api-key-file."
+    )
+    api_key_file: Path | None = Field(None, description="Read the API key from this file.")
+    public_metrics: bool = Field(False, description="Serve /metrics without the API key.")
+    public_docs: bool = Field(False, description="Serve /docs, /redoc and /openapi.json without the API key.")
     served_model_name: str | None = Field(None, description="Model name clients use; defaults to the model path.")
     chat_template: str | None = Field(None, description="Jinja chat template file or string overriding the model's.")
+    allow_request_chat_template: bool = Field(
+        False, description="Let requests bring their own chat_template (a risk: see the README)."
+    )
+    max_tokens_default: int = Field(
+        4096, ge=1, description="Cap on max_tokens when a request leaves it unset (vLLM: the whole context left)."
+    )
+    max_request_bytes: ByteSize = Field(4 * 1024**2, gt=0, description="Largest request body; larger ones get 413.")
+    max_num_waiting: int = Field(
+        256, ge=1, description="Requests waiting to start generating, at most; beyond, 429 with Retry-After."
+    )
+    max_prompts_per_request: int = Field(64, ge=1, description="Longest prompt list of one /v1/completions request.")
     max_logprobs: int = Field(
         20, ge=0, le=20, description="Most logprobs (and prompt_logprobs) a request may ask for; 20 is also the engine's limit."
     )
@@ -139,6 +159,29 @@ class ServerSection(_Section):
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "info", description="uvicorn's log level; info logs each HTTP request (its access log)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _key_from_file(cls, data: Any) -> Any:
+        """The key is the file's content: it shows neither in `ps` nor in the environment."""
+        if isinstance(data, dict) and data.get("api_key_file") is not None:
+            if data.get("api_key") is not None:
+                raise ValueError("give the API key once: api_key or api_key_file")
+            try:
+                key = Path(data["api_key_file"]).read_text().strip()
+            except OSError as exc:
+                raise ValueError(f"api_key_file: {exc}") from None
+            if not key:
+                raise ValueError(f"api_key_file: {data['api_key_file']} is empty")
+            return {**data, "api_key": key}
+        return data
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_not_empty(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("an empty API key would let everyone in; leave it unset to serve without one")
+        return value
 
 
 class FwConfig(BaseSettings):
@@ -156,11 +199,11 @@ class FwConfig(BaseSettings):
     server: ServerSection = Field(default_factory=ServerSection)
 
     def plugin_choice(self, kind: str) -> PluginChoice:
-        return getattr(self, SLOTS[kind])
+        return getattr(self, canonical_kind(kind))
 
 
-# Plugin kind -> config field holding its choice.
-SLOTS = {"attention": "attention", "quant": "quant", "comm": "comm", "kvconnector": "kv_connector", "sampler": "sampler"}
+# The plugin kinds chosen per run; each is also the config field holding its choice.
+SLOTS = ("attention", "quant", "comm", "kv_connector", "sampler")
 # Sections whose flags are derived from field names; "server" flags only exist on `fw serve`.
 ENGINE_SECTIONS = ("model", "cache", "scheduler", "parallel")
 SERVER_SECTIONS = ("server",)
@@ -171,6 +214,7 @@ FLAG_ALIASES = {
     "parallel.data_parallel_size": ("-dp",),
     "quant.name": ("--quantization", "-q"),
     "attention.name": ("--attention-backend",),
+    "server.max_num_waiting": ("--max-queue-len",),
 }
 
 
@@ -224,26 +268,30 @@ def cli_options(sections: tuple[str, ...] = ENGINE_SECTIONS) -> list[CliOption]:
                 )
             )
     if sections == ENGINE_SECTIONS:
-        for kind, field in SLOTS.items():
-            path = f"{field}.name"
-            flag = "--" + ("kv-connector" if kind == "kvconnector" else kind)
-            out.append(CliOption(flag, path, FwConfig.model_fields[field].description or "", aliases=FLAG_ALIASES.get(path, ())))
+        for kind in SLOTS:
+            path = f"{kind}.name"
+            flag = "--" + kind.replace("_", "-")
+            out.append(CliOption(flag, path, FwConfig.model_fields[kind].description or "", aliases=FLAG_ALIASES.get(path, ())))
         for contributed in _hook().fw_cli_options():
             out.extend(contributed or [])
     return out
 
 
 def parse_plugin_options(items: list[str]) -> dict[str, Any]:
-    """``--plugin-option sampler.mass=0.9`` items -> ``{"sampler": {"options": {"mass": "0.9"}}}``."""
+    """``--plugin-option sampler.mass=0.9`` items -> ``{"sampler": {"options": {"mass": "0.9"}}}``.
+
+    Values stay text; the plugin's ``PluginSpec.parse_options`` reads lists and mappings from it.
+    """
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         kind, dot, option = key.partition(".")
+        kind = canonical_kind(kind)
         if not sep or not dot or kind not in SLOTS or not option:
             raise ConfigError(
                 f"--plugin-option {item!r}: expected KIND.OPTION=VALUE with KIND one of {', '.join(SLOTS)}"
             )
-        out.setdefault(SLOTS[kind], {}).setdefault("options", {})[option] = value
+        out.setdefault(kind, {}).setdefault("options", {})[option] = value
     return out
 
 
@@ -295,12 +343,14 @@ class ResolvedConfig:
 
 
 def _source_of(sources: dict[str, str], path: str) -> str:
-    """The source of ``path`` or of the nearest parent set as a whole."""
+    """The source of ``path``, of the nearest parent set as a whole, or of what was set beneath it (a section
+    that is not in the schema has only leaves)."""
+    below = [source for leaf, source in sources.items() if leaf.startswith(path + ".")]
     while path:
         if path in sources:
             return sources[path]
         path = path.rpartition(".")[0]
-    return "default"
+    return below[0] if below else "default"
 
 
 def _env_name(path: str) -> str:
@@ -315,7 +365,7 @@ def load_config(
     """Merge the sources and validate. ``cli`` is a nested dict; ``cli_flags`` maps its paths to flag names."""
     cls = config_class()
     # Plugin slots start from their defaults, so that setting only a slot's options keeps its default name.
-    merged: dict[str, Any] = {f: cls.model_fields[f].default_factory().model_dump() for f in SLOTS.values()}
+    merged: dict[str, Any] = {f: cls.model_fields[f].default_factory().model_dump() for f in SLOTS}
     sources: dict[str, str] = {}
     for path in files:
         _merge(merged, _file_values(cls, path), path, sources)
@@ -332,11 +382,11 @@ def load_config(
     try:
         config = cls.model_validate(merged)
     except ValidationError as exc:
-        raise ConfigError(_format_errors(exc, merged, sources)) from None
+        raise ConfigError(_format_errors(exc, merged, sources, cls)) from None
     return ResolvedConfig(config, sources)
 
 
-def _format_errors(exc: ValidationError, merged: dict[str, Any], sources: dict[str, str]) -> str:
+def _format_errors(exc: ValidationError, merged: dict[str, Any], sources: dict[str, str], cls: type[FwConfig]) -> str:
     lines = ["invalid configuration:"]
     for err in exc.errors():
         path = ".".join(str(p) for p in err["loc"])
@@ -345,8 +395,19 @@ def _format_errors(exc: ValidationError, merged: dict[str, Any], sources: dict[s
         for part in err["loc"]:
             value = value.get(part) if isinstance(value, dict) else None
         shown = f" = {value!r}" if value is not None and not isinstance(value, dict) else ""
-        lines.append(f"  {path}{shown} (from {where}): {err['msg']}")
+        hint = _did_you_mean(cls, err["loc"]) if err["type"] == "extra_forbidden" else ""
+        lines.append(f"  {path}{shown} (from {where}): {err['msg']}{hint}")
     return "\n".join(lines)
+
+
+def _did_you_mean(cls: type[BaseModel], loc: tuple) -> str:
+    """For a key the schema lacks: the known key it most likely misspells."""
+    model: Any = cls
+    for part in loc[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        model = field.annotation if field is not None else None
+    close = difflib.get_close_matches(str(loc[-1]), list(getattr(model, "model_fields", {})), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def show(resolved: ResolvedConfig) -> str:

@@ -6,17 +6,18 @@ import itertools
 import json
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from fw import plugins
+from fw import native, plugins
 from fw.config import FwConfig
 from fw.detokenizer import IncrementalDetokenizer
 from fw.executor import Executor
+from fw.hookspecs import StepStats
 from fw.inputs import PromptType, TextPrompt, TokensPrompt, parse_prompt
-from fw.interfaces.sampler import SamplingBatch
+from fw.interfaces.sampler import RequestError, SamplingBatch
 from fw.kv_cache import KVCacheManager
 from fw.logits_processors import LogitsProcessor, allow_only, bad_words_token_ids, ban_sequences
 from fw.outputs import CompletionOutput, Logprob, RequestOutput
@@ -32,19 +33,6 @@ log = logging.getLogger("fw")
 
 class EngineError(ValueError):
     """A request or configuration the engine cannot serve; the message says why."""
-
-
-@dataclass
-class StepStats:
-    """Passed to the ``fw_step_stats`` hook once per step."""
-
-    num_running: int
-    num_waiting: int
-    num_scheduled_tokens: int
-    num_preempted: int
-    kv_cache_usage: float
-    prefix_cache_hit_rate: float
-    step_seconds: float
 
 
 def _eos_token_ids(model_path: str, hf_config: dict) -> list[int]:
@@ -98,6 +86,7 @@ class LLMEngine:
         # Parallel sampling (n > 1): the client's request id -> its n sequences, which run as requests.
         self.groups: dict[str, list[Request]] = {}
         self._ids = itertools.count()
+        self._steps = itertools.count()
         log.info(
             "fw engine: %s; KV cache %d blocks x %d = %d tokens",
             ", ".join(f"{k}={v}" for k, v in self.selected.items()),
@@ -143,8 +132,9 @@ class LLMEngine:
         metrics = new_metrics()
         sequences = []
         for i in range(params.n):
-            # Each sequence of a seeded request gets its own reproducible stream.
-            seq_params = replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            # Each sequence of a seeded request gets its own reproducible stream (seed + i, kept within 64 bits).
+            seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
+            seq_params = replace(params, n=1, seed=seed)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             try:
                 self.sampler.add_request(seq_id, seq_params, self.tokenizer)
@@ -162,7 +152,7 @@ class LLMEngine:
             )
             if seq_params.seed is not None:
                 self.generators[seq_id] = torch.Generator().manual_seed(seq_params.seed)
-            hooked = self.hook.fw_logits_processors(request_id=seq_id, sampling_params=seq_params)
+            hooked = self.hook.fw_logits_processors(request_id=seq_id, sampling_params=seq_params, engine=self)
             processors = masks + [p for group in hooked for p in group or []]
             if processors:
                 self.logits_processors[seq_id] = processors
@@ -170,17 +160,28 @@ class LLMEngine:
         self.groups[request_id] = sequences
         for seq in sequences:
             self.scheduler.add(seq)
-        self.hook.fw_request_added(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params)
+        self.hook.fw_request_added(
+            request_id=request_id, prompt_token_ids=token_ids, sampling_params=params, engine=self
+        )
         return request_id
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary (its logits' width): every token id a request names must be below it."""
+        return self.executor.runner.hf_config.vocab_size
+
     def _token_masks(self, params: SamplingParams) -> list[LogitsProcessor]:
-        """Logits processors for allowed_token_ids and bad_words, checked against the vocabulary."""
-        vocab = self.executor.runner.hf_config.vocab_size
+        """Logits processors for allowed_token_ids and bad_words. Every token id and top_k is checked against the
+        vocabulary first: a value out of range would fail the step that the other requests share."""
+        vocab = self.vocab_size
+        if params.top_k > vocab:
+            raise EngineError(f"top_k: at most the vocabulary size {vocab} (0 or -1: no limit), got {params.top_k}")
         bad = bad_words_token_ids(self.tokenizer, params.bad_words)
-        for name, ids in (("allowed_token_ids", params.allowed_token_ids or []), ("bad_words", sum(bad, []))):
+        for name, ids in (("allowed_token_ids", params.allowed_token_ids or []), ("bad_words", sum(bad, [])),
+                          ("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
             outside = sorted({t for t in ids if t >= vocab})
             if outside:
-                raise EngineError(f"{name}: token ids {outside} are outside the model's vocabulary [0, {vocab})")
+                raise EngineError(f"{name}: token ids {outside[:8]} are outside the model's vocabulary [0, {vocab})")
         masks = [allow_only(params.allowed_token_ids)] if params.allowed_token_ids is not None else []
         return masks + ([ban_sequences(bad)] if bad else [])
 
@@ -192,7 +193,7 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
                 "nothing would be left to generate"
             )
-        vocab = self.executor.runner.hf_config.vocab_size
+        vocab = self.vocab_size
         if max(token_ids) >= vocab or min(token_ids) < 0:
             raise EngineError(f"prompt token ids must be in [0, {vocab})")
         if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
@@ -225,33 +226,63 @@ class LLMEngine:
                 time.sleep(0.002)
             return []
         inputs = self.scheduler.step_inputs(batch)
+        # Kernels built on first use run inside the forward pass: time them apart, so forward_seconds is the model's.
+        built, forward_start = native.build_seconds(), time.perf_counter()
         logits = self.executor.execute(inputs)
+        compile_seconds = native.build_seconds() - built
+        forward_seconds = time.perf_counter() - forward_start - compile_seconds
         self._record_prompt_logprobs(batch, inputs, logits[len(inputs.sample_rows) :])
         tokens, logprobs = self._sample(batch, inputs.sample_rows, logits[: len(inputs.sample_rows)])
+        # Before update(): it advances each request past this step's tokens.
+        decodes = sum(
+            n == 1 and c >= len(r.prompt_token_ids)
+            for r, c, n in zip(batch.requests, inputs.num_computed, inputs.num_new, strict=True)
+        )
         for seq in self.scheduler.update(batch, inputs, tokens, logprobs):
             self._forget(seq)
-        self._report(batch, time.perf_counter() - start)
+        self.hook.fw_step_stats(
+            stats=StepStats(
+                step=next(self._steps),
+                num_prefill_tokens=batch.num_tokens - decodes,
+                num_decode_tokens=decodes,
+                num_scheduled=len(batch.requests),
+                num_preempted=len(batch.preempted),
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                kv_cache_usage=self.kv.usage(),
+                prefix_cache_hit_rate=self.kv.prefix_cache_hit_rate(),
+                forward_seconds=forward_seconds,
+                compile_seconds=compile_seconds,
+                step_seconds=time.perf_counter() - start,
+            ),
+            engine=self,
+        )
         return [self._group_output(group) for group in dict.fromkeys(r.group_id for r in batch.requests)]
 
     def _sample(self, batch: ScheduledBatch, rows: list[int], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         if not rows:
             return [], []
         requests = [batch.requests[i] for i in rows]
+        # A failure pinned on requests raises RequestError naming them, before any state changes: the caller
+        # fails those and steps again without them (AsyncEngine does).
+        errors: dict[str, Exception] = {}
         for row, request in enumerate(requests):
-            for processor in self.logits_processors.get(request.request_id, ()):
-                logits[row] = processor(request.output_token_ids, logits[row])
-        params = [r.params for r in requests]
-        sampling = SamplingBatch(
-            request_ids=[r.request_id for r in requests],
-            params=params,
-            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32),
-            all_greedy=all(p.greedy for p in params),
-            generators=[self.generators.get(r.request_id) for r in requests],
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
-            eos_token_id=self.tokenizer.eos_token_id,
-        )
-        out = self.sampler.sample(logits, sampling)
+            try:
+                for processor in self.logits_processors.get(request.request_id, ()):
+                    logits[row] = processor(request.output_token_ids, logits[row])
+            except Exception as exc:  # noqa: BLE001 - the request's own processor: it alone fails
+                errors[request.group_id] = exc
+        if errors:
+            raise RequestError(errors)
+        try:
+            out = self.sampler.sample(logits, self._sampling_batch(requests))
+        except RequestError as exc:  # the sampler names sequences: fail their requests
+            groups = {r.request_id: r.group_id for r in requests}
+            raise RequestError({groups.get(seq, seq): error for seq, error in exc.errors.items()}) from None
+        except Exception as exc:
+            if culprits := self._failing_rows(requests, logits):
+                raise RequestError(culprits) from exc
+            raise
         tokens = out.token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         for row, request in enumerate(requests):
@@ -265,6 +296,29 @@ class LLMEngine:
                         entry.setdefault(tok, self._logprob(request, tok, val, rank))
                 request.output_logprobs.append(entry)
         return tokens, logprobs
+
+    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
+        params = [r.params for r in requests]
+        return SamplingBatch(
+            request_ids=[r.request_id for r in requests],
+            params=params,
+            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32),
+            all_greedy=all(p.greedy for p in params),
+            generators=[self.generators.get(r.request_id) for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+
+    def _failing_rows(self, requests: list[Request], logits: torch.Tensor) -> dict[str, Exception]:
+        """The requests whose rows fail to sample on their own: a failed batch is pinned on them alone."""
+        errors: dict[str, Exception] = {}
+        for row, request in enumerate(requests):
+            try:
+                self.sampler.sample(logits[row : row + 1].clone(), self._sampling_batch([request]))
+            except Exception as exc:  # noqa: BLE001 - collected, raised as one RequestError
+                errors[request.group_id] = exc
+        return errors
 
     def _logprob(self, request: Request, token: int, logprob: float, rank: int | None) -> Logprob:
         text = self.tokenizer.decode([token], skip_special_tokens=False) if request.params.detokenize else None
@@ -283,6 +337,7 @@ class LLMEngine:
                 continue
             if start == 0:
                 request.prompt_logprobs = [None]
+            del request.prompt_logprobs[start + 1 :]  # a step run again after a failure records its positions once
             for pos in range(start, min(start + n, prompt_len)):
                 if pos + 1 < prompt_len:
                     lp = logprobs[row]
@@ -294,19 +349,6 @@ class LLMEngine:
                             entry.setdefault(tok, self._logprob(request, tok, val, rank))
                     request.prompt_logprobs.append(entry)
                 row += 1
-
-    def _report(self, batch: ScheduledBatch, seconds: float) -> None:
-        self.hook.fw_step_stats(
-            stats=StepStats(
-                num_running=len(self.scheduler.running),
-                num_waiting=len(self.scheduler.waiting),
-                num_scheduled_tokens=batch.num_tokens,
-                num_preempted=len(batch.preempted),
-                kv_cache_usage=self.kv.usage(),
-                prefix_cache_hit_rate=self.kv.prefix_cache_hit_rate(),
-                step_seconds=seconds,
-            )
-        )
 
     def _completion(self, index: int, seq: Request) -> CompletionOutput:
         return CompletionOutput(
@@ -336,7 +378,7 @@ class LLMEngine:
         )
         if finished:
             del self.groups[request_id]
-            self.hook.fw_request_finished(request_id=request_id, output=output)
+            self.hook.fw_request_finished(request_id=request_id, output=output, engine=self)
         return output
 
     def _forget(self, seq: Request) -> None:

@@ -6,16 +6,25 @@ group. An implementation may accept any subset of a hook's arguments, so new
 arguments never break existing plugins. None of these hooks runs per layer or
 per token: the hot path calls drivers directly.
 
-Order of calls in a run: ``fw_config_sections`` and ``fw_cli_options`` while
-the configuration is assembled; ``fw_configure`` once it is final;
-``fw_detect_quant_format`` and ``fw_validate`` while plugins are resolved;
-``fw_engine_started``; then per request ``fw_request_added`` /
-``fw_logits_processors`` / ``fw_request_finished`` and per engine step
-``fw_step_stats``; finally ``fw_unconfigure`` at shutdown.
+Order of calls for each engine (``LLM()``, ``fw generate``, ``fw serve``):
+``fw_config_sections`` and ``fw_cli_options`` while the configuration is
+assembled; ``fw_configure`` once it is final; ``fw_detect_quant_format`` and
+``fw_validate`` while plugins are resolved; ``fw_engine_started``; then per
+request ``fw_request_added`` / ``fw_logits_processors`` /
+``fw_request_finished`` and per engine step ``fw_step_stats``; finally
+``fw_unconfigure`` at shutdown. A process may run several engines, one after
+the other or side by side: each gets its own ``fw_configure`` /
+``fw_unconfigure`` pair, and the per-request and per-step hooks name their
+``engine`` (whose ``config`` is the one configured), so keep per-engine state
+keyed by the config, not in module globals that a second engine overwrites.
+
+``fw.testing.conformance.HooksConformance`` checks a hooks plugin against
+these contracts; ``contrib/fw-hooks-steplog`` is a complete example.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -46,14 +55,15 @@ def fw_cli_options() -> list[CliOption]:
     """Contribute command-line flags, each mapped onto a configuration path."""
 
 
-@hookspec(historic=True)
+@hookspec
 def fw_configure(config: FwConfig) -> None:
-    """Start-up: the effective configuration is final. Called once per process."""
+    """An engine starts with this configuration, final now. Called once per engine (``fw plugins check`` calls it
+    too, without an engine), so twice for two ``LLM()`` in one process."""
 
 
 @hookspec
 def fw_unconfigure(config: FwConfig) -> None:
-    """Shutdown: release whatever ``fw_configure`` acquired."""
+    """The engine that ``config`` configured shuts down: release whatever ``fw_configure`` acquired for it."""
 
 
 @hookspec(firstresult=True)
@@ -77,20 +87,46 @@ def fw_engine_started(engine: Any) -> None:
 
 
 @hookspec
-def fw_request_added(request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
-    """A request was admitted to the waiting queue."""
+def fw_request_added(
+    request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, engine: Any
+) -> None:
+    """A request was admitted to ``engine``'s waiting queue."""
 
 
 @hookspec
-def fw_logits_processors(request_id: str, sampling_params: SamplingParams) -> list[Callable[[list[int], Any], Any]]:
+def fw_logits_processors(
+    request_id: str, sampling_params: SamplingParams, engine: Any
+) -> list[Callable[[list[int], Any], Any]]:
     """Per-request logits processors: ``f(output_token_ids, logits[V]) -> logits[V]``, applied before sampling."""
 
 
 @hookspec
-def fw_request_finished(request_id: str, output: Any) -> None:
+def fw_request_finished(request_id: str, output: Any, engine: Any) -> None:
     """A request finished (stopped, hit a length limit, or was aborted); ``output`` is its final output."""
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """One engine step, as ``fw_step_stats`` receives it."""
+
+    step: int  # index of the step in this engine, from 0; steps that scheduled nothing are not counted
+    num_prefill_tokens: int  # prompt tokens computed (chunks of prompts, recomputation after preemption)
+    num_decode_tokens: int  # one per request that generated a token from its known tokens
+    num_scheduled: int  # requests in the step's batch
+    num_preempted: int  # requests evicted to make room in this step (they will be recomputed)
+    num_running: int  # after the step
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV-cache blocks in use
+    prefix_cache_hit_rate: float
+    forward_seconds: float  # the model's forward pass, less compile_seconds
+    compile_seconds: float  # first-use compilation in the step (native CPU kernels built on first use); 0 after
+    step_seconds: float  # the whole step: scheduling, forward, sampling, bookkeeping
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
 @hookspec
-def fw_step_stats(stats: Any) -> None:
-    """Once per engine step, with the step's ``fw.engine.StepStats``."""
+def fw_step_stats(stats: StepStats, engine: Any) -> None:
+    """Once per step of ``engine`` that ran a batch, with its ``StepStats``."""

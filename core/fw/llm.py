@@ -9,11 +9,12 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from fw.chat import apply_chat_template
-from fw.config import cli_options, load_config
+from fw.config import SLOTS, cli_options, load_config
 from fw.engine import LLMEngine
 from fw.generation_config import sampling_defaults
 from fw.inputs import PromptType, TokensPrompt, parse_prompts
 from fw.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from fw.plugins import canonical_kind
 from fw.sampling_params import BeamSearchParams, SamplingParams
 from fw.tokenizer import Tokenizer
 
@@ -30,22 +31,40 @@ def _config_paths() -> dict[str, str]:
 
 
 class LLM:
-    """Keyword arguments are the `fw` flags with underscores; ``config_files`` layers YAML/TOML files beneath them."""
+    """Keyword arguments are the `fw` flags with underscores; ``config_files`` layers YAML/TOML files beneath them.
 
-    def __init__(self, model: str | None = None, *, config_files: Sequence[str] = (), **kwargs: Any) -> None:
+    ``plugin_options`` sets the options of each slot's plugin, as ``--plugin-option`` does:
+    ``LLM(quant="int8", plugin_options={"quant": {"skip": ["o_proj"]}})``.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        config_files: Sequence[str] = (),
+        plugin_options: dict[str, dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> None:
         paths = _config_paths()
         unknown = sorted(set(kwargs) - set(paths))
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {', '.join(unknown)}; valid: {', '.join(sorted(paths))}")
         values: dict[str, Any] = {"model": os.fspath(model) if model is not None else None, **kwargs}
         cli: dict[str, Any] = {}
+        sources = {paths[k]: f"LLM({k}=...)" for k in values}
         for key, value in values.items():
             if value is not None:
                 section, _, leaf = paths[key].partition(".")
                 if leaf in cli.get(section, {}):
                     raise TypeError(f"LLM() got two arguments for {paths[key]} (an alias and its flag name)")
                 cli.setdefault(section, {})[leaf] = value
-        resolved = load_config(config_files, cli, {paths[k]: f"LLM({k}=...)" for k in values})
+        for kind, options in (plugin_options or {}).items():
+            slot = canonical_kind(kind)
+            if slot not in SLOTS:
+                raise TypeError(f"LLM(plugin_options=...): {kind!r} is not a plugin slot ({', '.join(SLOTS)})")
+            cli.setdefault(slot, {})["options"] = dict(options)
+            sources.update({f"{slot}.options.{name}": "LLM(plugin_options=...)" for name in options})
+        resolved = load_config(config_files, cli, sources)
         self.llm_engine = LLMEngine(resolved.config)
 
     def get_tokenizer(self) -> Tokenizer:
@@ -99,6 +118,10 @@ class LLM:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+        except BaseException:
+            for request_id in ids:  # a failed step (RequestError: a request's constraint, say) fails the call
+                engine.abort_request(request_id)
+            raise
         finally:
             if bar is not None:
                 bar.close()

@@ -33,21 +33,30 @@ def read_hf_config(model_path: str) -> dict[str, Any] | None:
         raise ModelError(f"{config_file} is not valid JSON: {exc}") from None
 
 
-def supported_architectures() -> dict[str, plugins.PluginSpec]:
-    out: dict[str, plugins.PluginSpec] = {}
-    for spec in plugins.available("models").values():
+def supported_architectures() -> dict[str, list[plugins.PluginSpec]]:
+    """Architecture -> the models plugins that implement it."""
+    out: dict[str, list[plugins.PluginSpec]] = {}
+    for spec in {s.name: s for s in plugins.available("models").values()}.values():
         for arch in spec.capabilities.architectures:
-            out.setdefault(arch, spec)
+            out.setdefault(arch, []).append(spec)
     return out
 
 
 def resolve(hf_config: dict[str, Any]) -> plugins.PluginSpec:
-    """The models plugin for the first of the config's architectures that one implements."""
+    """The models plugin for the first of the config's architectures that one implements; where several do,
+    the one of highest priority, as "auto" chooses in every slot (a tie is refused)."""
     archs = hf_config.get("architectures") or []
     known = supported_architectures()
     for arch in archs:
         if arch in known:
-            return known[arch]
+            top = plugins.by_priority(known[arch])[0]
+            if len(top) > 1:
+                names = ", ".join(sorted(s.name for s in top))
+                raise ModelError(
+                    f"{arch} is implemented by models plugins {names} at the same priority ({top[0].priority}); "
+                    "disable all but one (FW_DISABLE_PLUGINS=models:NAME)"
+                )
+            return top[0]
     raise ModelError(
         f"unsupported model architecture {', '.join(archs) or '(config.json lists none)'}; "
         f"supported: {', '.join(sorted(known))}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -22,11 +23,22 @@ logger = logging.getLogger(__name__)
 INCLUDE = Path(__file__).parent / "csrc"
 
 
+_build_seconds = 0.0
+
+
+def build_seconds() -> float:
+    """Seconds this process has spent in first uses of ``load`` (compiling, or loading a cached build): the
+    engine subtracts them from the forward pass it times."""
+    return _build_seconds
+
+
 @functools.cache
 def load(name: str, source: Path) -> bool:
     """Build (or reuse) ``source`` as the operator library ``torch.ops.<name>``; True when it is usable."""
     if os.environ.get("FW_NATIVE", "1") == "0":
         return False
+    global _build_seconds
+    start = time.perf_counter()
     try:
         from torch.utils import cpp_extension
 
@@ -41,4 +53,6 @@ def load(name: str, source: Path) -> bool:
     except Exception as exc:  # no compiler, no ninja, an unsupported toolchain: fall back, never fail the engine
         logger.warning("native kernels %s unavailable, using the torch path: %s", name, exc)
         return False
+    finally:
+        _build_seconds += time.perf_counter() - start
     return True

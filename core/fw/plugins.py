@@ -3,10 +3,17 @@
 Every plugin, built-in or third-party, is a distribution that registers an
 entry point in one of the groups ``fw.<kind>``. The entry point names a light
 ``PluginSpec`` (capabilities as data plus a lazy ``module:attr`` path), so
-listing and validating never import an implementation. The one driver chosen
-for each slot is loaded by name with stevedore and only then imported.
-``fw.hooks`` entry points name pluggy hook implementations (see
-``fw.hookspecs``).
+listing never imports an implementation. Specs are checked when discovered
+(names against the known sets, the API version); one that fails is listed as
+broken and never selected. Only the plugin chosen for a slot is imported, by
+``fw.validate.check``. ``fw.hooks`` entry points name pluggy hook
+implementations (see ``fw.hookspecs``).
+
+``auto`` takes the plugin of highest ``priority`` among those that fit, never
+one chosen by name or install order: a tie at the top is an error naming the
+tied plugins. ``PluginSpec.priority`` defaults to 0 and fw's own defaults
+declare ``BUILTIN_PRIORITY``, so installing a plugin changes what ``auto``
+picks only if it declares a higher priority.
 
 ``FW_PLUGINS`` (comma-separated allow-list) and ``FW_DISABLE_PLUGINS``
 (deny-list) filter discovery, like pytest's ``-p no:NAME``. An item is a
@@ -17,11 +24,16 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import itertools
 import os
+import re
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
+
+from pydantic import BaseModel, ValidationError
 
 from fw.interfaces import attention, comm, kvconnector, model, quant, sampler
 from fw.interfaces.base import Capabilities, supported_api_versions
@@ -32,11 +44,34 @@ INTERFACES = {
     "attention": attention,
     "quant": quant,
     "comm": comm,
-    "kvconnector": kvconnector,
+    "kv_connector": kvconnector,
     "sampler": sampler,
 }
+# Kind -> the capability record its specs carry.
+RECORDS: dict[str, type[Capabilities]] = {
+    "models": model.ModelCapabilities,
+    "attention": attention.AttentionCapabilities,
+    "quant": quant.QuantCapabilities,
+    "comm": comm.CommCapabilities,
+    "kv_connector": kvconnector.KVConnectorCapabilities,
+    "sampler": sampler.SamplerCapabilities,
+}
 KINDS = tuple(INTERFACES)
+# Older spellings of a kind, accepted wherever a kind is named (entry-point groups, selectors, --plugin-option).
+KIND_ALIASES = {"kvconnector": "kv_connector"}
 HOOKS_GROUP = "fw.hooks"
+# The priority of fw's own default plugins: above PluginSpec's default, so that a plugin installed beside
+# them is chosen by "auto" only when it declares more.
+BUILTIN_PRIORITY = 10
+
+
+def canonical_kind(kind: str) -> str:
+    return KIND_ALIASES.get(kind, kind)
+
+
+def _groups(kind: str) -> list[str]:
+    """The entry-point groups of ``kind``: its own and those of its older spellings."""
+    return [f"fw.{kind}", *(f"fw.{alias}" for alias, canonical in KIND_ALIASES.items() if canonical == kind)]
 
 
 class PluginError(RuntimeError):
@@ -53,10 +88,10 @@ class PluginSpec:
     capabilities: Capabilities
     api_version: int
     description: str = ""
-    options: type | None = None  # pydantic model validating ``plugins.<kind>.options``
+    options: type | None = None  # pydantic model validating the slot's ``options`` (``--plugin-option KIND.X=...``)
     # Other names this plugin answers to (e.g. "unquantized" for "none").
     aliases: tuple[str, ...] = ()
-    # Rank when the slot is "auto": the highest-priority plugin that fits is chosen.
+    # Rank when the slot is "auto": the highest-priority plugin that fits is chosen (see the module docstring).
     priority: int = 0
 
     def load(self) -> Any:
@@ -72,16 +107,41 @@ class PluginSpec:
         return obj
 
     def parse_options(self, options: dict[str, Any] | None) -> Any:
+        """Validate ``options`` with the plugin's model.
+
+        Environment variables and flags carry text, so a list or mapping arrives as JSON or YAML
+        (``'["o_proj"]'``): text the model refuses is parsed, and used where it holds a list or mapping.
+        Text the model accepts stays text (a regex like ``[a-z]`` for a string option).
+        """
         if self.options is None:
             if options:
                 raise PluginError(f"{self.kind} plugin {self.name!r} takes no options (got {sorted(options)})")
             return None
-        return self.options(**(options or {}))
+        options = dict(options or {})
+        try:
+            return self.options.model_validate(options)
+        except ValidationError as exc:
+            refused = {e["loc"][0] for e in exc.errors() if e["loc"] and isinstance(options.get(e["loc"][0]), str)}
+            parsed = {key: value for key in refused if (value := _collection(options[key])) is not None}
+            if not parsed:
+                raise
+        return self.options.model_validate({**options, **parsed})
+
+
+def _collection(text: str) -> list | dict | None:
+    """``text`` as a JSON or YAML list or mapping, else None."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+    return value if isinstance(value, list | dict) else None
 
 
 def _selector_matches(item: str, kind: str, name: str) -> bool:
     item_kind, sep, item_name = item.partition(":")
-    return item_name == name and item_kind == kind if sep else item == name
+    return item_name == name and canonical_kind(item_kind) == kind if sep else item == name
 
 
 def _env_list(var: str) -> list[str] | None:
@@ -120,19 +180,39 @@ class Discovered:
             return "disabled"
         return "broken" if self.error else "ok"
 
+    @property
+    def label(self) -> str:
+        """``quant plugin 'int8' (fw-quant-int8 0.1.0)``: names the distribution to fix or uninstall."""
+        dist = f"{self.distribution} {self.version}" if self.distribution else f"no distribution, {self.target}"
+        return f"{self.kind} plugin {self.name!r} ({dist})"
+
+
+# "package.module" or "package.module:attr.attr"
+_IMPL = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?")
+
 
 def _check_spec(kind: str, ep_name: str, obj: Any) -> str | None:
+    """Every mistake in a discovered spec, each naming its field; None when it is well formed."""
     if not isinstance(obj, PluginSpec):
         return f"entry point resolves to {type(obj).__name__}, not a fw.plugins.PluginSpec"
-    if obj.kind != kind:
-        return f"spec declares kind {obj.kind!r} but is registered under fw.{kind}"
+    problems = []
+    if canonical_kind(obj.kind) != kind:
+        problems.append(f"kind: {obj.kind!r}, but the spec is registered under fw.{kind}")
     if obj.name != ep_name:
-        return f"spec is named {obj.name!r} but registered as {ep_name!r}"
-    current = INTERFACES[kind].API_VERSION
-    if obj.api_version not in supported_api_versions(current):
-        lo, hi = supported_api_versions(current)
-        return f"written for {kind} API v{obj.api_version}; this fw-core supports v{lo} and v{hi}"
-    return None
+        problems.append(f"name: {obj.name!r}, but the spec is registered as {ep_name!r}")
+    lo, hi = supported_api_versions(INTERFACES[kind].API_VERSION)
+    if not (isinstance(obj.api_version, int) and lo <= obj.api_version <= hi):
+        window = f"v{lo}" if lo == hi else f"v{lo} to v{hi}"
+        problems.append(f"api_version: written for {kind} API v{obj.api_version}; this fw-core supports {window}")
+    if isinstance(obj.capabilities, RECORDS[kind]):
+        problems += obj.capabilities.unknown_names()
+    else:
+        problems.append(f"capabilities: a {type(obj.capabilities).__name__}, not a {RECORDS[kind].__name__}")
+    if not _IMPL.fullmatch(obj.impl):
+        problems.append(f"impl: {obj.impl!r} is not a 'package.module:attr' path")
+    if obj.options is not None and not (isinstance(obj.options, type) and issubclass(obj.options, BaseModel)):
+        problems.append(f"options: {obj.options!r} is not a pydantic model class")
+    return "; ".join(problems) or None
 
 
 def _distributions() -> dict[tuple[str, str], tuple[str, str]]:
@@ -146,30 +226,32 @@ def _distributions() -> dict[tuple[str, str], tuple[str, str]]:
 
 
 def discover(kind: str) -> list[Discovered]:
-    """Every plugin registered for ``kind``; loads specs (light), never implementations."""
+    """Every plugin registered for ``kind``; loads and checks specs (light), never implementations."""
     from stevedore import ExtensionManager
 
+    kind = canonical_kind(kind)
     if kind not in INTERFACES:
         raise PluginError(f"unknown plugin kind {kind!r} (kinds: {', '.join(KINDS)})")
-    group = f"fw.{kind}"
     dists = _distributions()
-    failures: dict[str, str] = {}
+    failures: dict[tuple[str, str], str] = {}
 
-    def on_failure(_manager, ep, exc):
-        failures[ep.name] = f"{type(exc).__name__}: {exc}"
+    def on_failure(manager, ep, exc):
+        failures[(manager.namespace, ep.name)] = f"{type(exc).__name__}: {exc}"
 
-    manager = ExtensionManager(group, invoke_on_load=False, on_load_failure_callback=on_failure)
     found: dict[str, Discovered] = {}
-    for ext in manager.extensions:
-        dist, version = dists.get((group, ext.name), (None, None))
-        item = Discovered(kind, ext.name, ext.entry_point.value, dist, version)
-        item.error = _check_spec(kind, ext.name, ext.plugin)
-        item.spec = None if item.error else ext.plugin
-        found[ext.name] = item
-    for ep in importlib.metadata.entry_points(group=group):
-        if ep.name in failures:
-            dist, version = dists.get((group, ep.name), (None, None))
-            found[ep.name] = Discovered(kind, ep.name, ep.value, dist, version, error=failures[ep.name])
+    for group in _groups(kind):
+        manager = ExtensionManager(group, invoke_on_load=False, on_load_failure_callback=on_failure)
+        for ext in manager.extensions:
+            dist, version = dists.get((group, ext.name), (None, None))
+            item = Discovered(kind, ext.name, ext.entry_point.value, dist, version)
+            item.error = _check_spec(kind, ext.name, ext.plugin)
+            item.spec = None if item.error else ext.plugin
+            found.setdefault(ext.name, item)
+        for ep in importlib.metadata.entry_points(group=group):
+            error = failures.get((group, ep.name))
+            if error:
+                dist, version = dists.get((group, ep.name), (None, None))
+                found.setdefault(ep.name, Discovered(kind, ep.name, ep.value, dist, version, error=error))
     for item in found.values():
         item.enabled = is_enabled(kind, item.name)
     return sorted(found.values(), key=lambda d: d.name)
@@ -187,29 +269,38 @@ def available(kind: str) -> dict[str, PluginSpec]:
 
 
 def get_spec(kind: str, name: str) -> PluginSpec:
-    """The spec of the plugin selected for a slot, loaded by name with stevedore."""
-    from stevedore import DriverManager
-    from stevedore.exception import NoMatches
-
-    canonical = {alias: spec.name for spec in available(kind).values() for alias in spec.aliases}.get(name, name)
-    if not is_enabled(kind, canonical):
-        raise PluginError(f"{kind} plugin {name!r} is disabled by FW_PLUGINS / FW_DISABLE_PLUGINS")
-    try:
-        manager = DriverManager(f"fw.{kind}", canonical, invoke_on_load=False, on_load_failure_callback=_raise)
-    except NoMatches:
+    """The spec of the plugin named ``name`` (or one of its aliases); a PluginError says why there is none."""
+    kind = canonical_kind(kind)
+    found = discover(kind)
+    item = next((d for d in found if d.name == name), None) or next(
+        (d for d in found if d.spec is not None and name in d.spec.aliases), None
+    )
+    if item is None:
         choices = ", ".join(sorted(available(kind))) or "none installed"
-        raise PluginError(f"unknown {kind} plugin {name!r} (available: {choices})") from None
-    except PluginError:
-        raise
-    spec = manager.driver
-    problem = _check_spec(kind, canonical, spec)
-    if problem:
-        raise PluginError(f"{kind} plugin {name!r}: {problem}")
-    return spec
+        raise PluginError(f"unknown {kind} plugin {name!r} (available: {choices})")
+    if not item.enabled:
+        raise PluginError(f"{kind} plugin {name!r} is disabled by FW_PLUGINS / FW_DISABLE_PLUGINS")
+    if item.error:
+        raise PluginError(f"{item.label} is broken: {item.error}")
+    return item.spec
 
 
-def _raise(_manager, ep, exc):
-    raise PluginError(f"plugin {ep.name!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}") from exc
+def impl_problem(spec: PluginSpec) -> str | None:
+    """Why ``spec.impl`` does not resolve, naming the plugin's distribution; None when it does (imports it)."""
+    try:
+        spec.load()
+    except PluginError as exc:
+        item = next((d for d in discover(spec.kind) if d.name == spec.name), None)
+        label = item.label if item else f"{spec.kind} plugin {spec.name!r}"
+        cause = exc.__cause__
+        return f"{label} is broken: impl {spec.impl!r} does not resolve: {type(cause).__name__}: {cause}"
+    return None
+
+
+def by_priority(specs: Iterable[PluginSpec]) -> list[list[PluginSpec]]:
+    """``specs`` grouped by priority, highest first (a group of several is a tie "auto" refuses)."""
+    ranked = sorted(specs, key=lambda s: -s.priority)
+    return [list(group) for _, group in itertools.groupby(ranked, key=lambda s: s.priority)]
 
 
 def load_driver(kind: str, name: str) -> tuple[PluginSpec, Any]:
@@ -263,8 +354,8 @@ def discover_hooks() -> list[Discovered]:
 
 
 def configure(config: Any) -> None:
-    """Start-up: tell hooks plugins the effective configuration (also plugins registered later)."""
-    get_plugin_manager().hook.fw_configure.call_historic(kwargs={"config": config})
+    """An engine (or `fw plugins check`) starts: tell hooks plugins its configuration, once."""
+    get_plugin_manager().hook.fw_configure(config=config)
 
 
 def unconfigure(config: Any) -> None:

@@ -28,6 +28,10 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
 
     def __post_init__(self) -> None:
+        for name, kind in (("json", (str, dict)), ("regex", str), ("choice", list), ("json_object", bool)):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                raise SamplingParamsError(f"structured_outputs.{name}", f"has the wrong type: {type(value).__name__}")
         given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
@@ -92,6 +96,7 @@ class SamplingParams:
         max_tokens = self.max_tokens
         checks = [
             ("n", self.n >= 1, "must be >= 1"),
+            ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must be a 64-bit signed integer"),
             ("temperature", self.temperature >= 0, "must be >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= -1, "must be -1, 0 (disabled) or a positive integer"),
@@ -126,6 +131,8 @@ class SamplingParams:
         except (TypeError, ValueError):
             raise SamplingParamsError("logit_bias", "must map token ids to numbers") from None
         for token, bias in (self.logit_bias or {}).items():
+            if token < 0:
+                raise SamplingParamsError("logit_bias", f"token ids must be non-negative, got {token}")
             if not -100 <= bias <= 100:
                 raise SamplingParamsError("logit_bias", f"bias of token {token} must be in [-100, 100], got {bias}")
 

@@ -62,6 +62,8 @@ class Scheduler:
         self.by_priority = config.scheduler.scheduling_policy == "priority"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # What the latest schedule() moved from waiting to running: the suspects when a step fails as a whole.
+        self.last_admitted: list[Request] = []
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -79,6 +81,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.token_budget
+        self.last_admitted = []
         for request in list(self.running):
             if budget == 0:
                 break
@@ -110,6 +113,7 @@ class Scheduler:
             request.status = Status.RUNNING
             request.scheduled(cached)
             self.running.append(request)
+            self.last_admitted.append(request)
             batch.requests.append(request)
             batch.num_new.append(num_new)
             batch.prefix_hit_tokens += cached

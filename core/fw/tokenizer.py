@@ -72,7 +72,9 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode holds it): a long text tokenized on another thread (fw serve does)
+        # does not stall the event loop or the engine.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> BatchEncoding:
         """Token ids and attention mask of one text, or (unpadded) of each text of a list."""

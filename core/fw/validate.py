@@ -1,8 +1,10 @@
 """Can this model run with these plugins on this device? Every reason it cannot.
 
-Used by every command before anything heavy happens: it reads only
-capability records (no implementation is imported) and reports all problems
-at once, with the plugins of each failing slot that would work instead.
+Used by every command before anything heavy happens: it reads capability
+records, imports only the implementation chosen for each slot (so that a
+typo in a spec's ``impl`` is caught here, not at the first request), and
+reports all problems at once, with the plugins of each failing slot that
+would work instead.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class CheckResult:
     options: dict[str, Any] = field(default_factory=dict)  # kind -> parsed options
     problems: list[str] = field(default_factory=list)
     alternatives: dict[str, list[str]] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)  # kind -> why its plugin was chosen
+    broken: list[str] = field(default_factory=list)  # plugins auto passed over: their implementation does not import
 
     @property
     def ok(self) -> bool:
@@ -75,19 +79,53 @@ def model_requirements(config: FwConfig, device: DeviceInfo, hf_config: dict[str
     )
 
 
+def _installed(kind: str) -> list[plugins.PluginSpec]:
+    return list({s.name: s for s in plugins.available(kind).values()}.values())
+
+
 def _fits(kind: str, req: Requirements) -> list[plugins.PluginSpec]:
-    specs = {s.name: s for s in plugins.available(kind).values()}.values()
-    return sorted((s for s in specs if not s.capabilities.problems(req)), key=lambda s: (-s.priority, s.name))
+    """The plugins that can run ``req``, highest priority first (by name within a priority, for display only)."""
+    fitting = (s for s in _installed(kind) if not s.capabilities.problems(req))
+    return sorted(fitting, key=lambda s: (-s.priority, s.name))
+
+
+def _resolve_auto(kind: str, req: Requirements, result: CheckResult) -> None:
+    """The highest-priority plugin that fits and imports; a tie at that priority is refused, never broken by name."""
+    fitting = _fits(kind, req)
+    unfit = [f"{s.name}: {'; '.join(s.capabilities.problems(req))}" for s in _installed(kind) if s not in fitting]
+    broken = []
+    for group in plugins.by_priority(fitting):
+        usable = []
+        for spec in group:
+            problem = plugins.impl_problem(spec)
+            if problem:
+                broken.append(problem)
+            else:
+                usable.append(spec)
+        if len(usable) > 1:
+            result.problems.append(
+                f"auto cannot choose between {kind} plugins {', '.join(s.name for s in usable)}: they fit at the same "
+                f"priority ({usable[0].priority}); choose one with --{kind.replace('_', '-')} NAME"
+            )
+        elif usable:
+            chosen = usable[0]
+            others = [f"{s.name} ({s.priority})" for s in fitting if s is not chosen]
+            result.selected[kind] = chosen
+            result.reasons[kind] = (
+                f"auto: the highest priority ({chosen.priority}) of the plugins that fit"
+                + (f"; also fit: {', '.join(others)}" if others else "")
+                + (f"; cannot run this: {' | '.join(unfit)}" if unfit else "")
+            )
+        if usable:
+            break
+    else:
+        result.problems.append(f"no {kind} plugin can run this ({' | '.join(unfit + broken) or 'none installed'})")
+    result.broken.extend(broken)
 
 
 def _resolve_slot(kind: str, name: str, req: Requirements, result: CheckResult) -> None:
     if name == "auto":
-        fitting = _fits(kind, req)
-        if fitting:
-            result.selected[kind] = fitting[0]
-            return
-        reasons = [f"{s.name}: {'; '.join(s.capabilities.problems(req))}" for s in plugins.available(kind).values()]
-        result.problems.append(f"no {kind} plugin can run this ({' | '.join(reasons) or 'none installed'})")
+        _resolve_auto(kind, req, result)
     else:
         try:
             spec = plugins.get_spec(kind, name)
@@ -95,7 +133,12 @@ def _resolve_slot(kind: str, name: str, req: Requirements, result: CheckResult) 
             result.problems.append(str(exc))
         else:
             result.selected[kind] = spec
-            result.problems.extend(f"{kind} plugin {name!r} {p}" for p in spec.capabilities.problems(req))
+            result.reasons[kind] = "chosen by name"
+            problems = spec.capabilities.problems(req)
+            result.problems.extend(f"{kind} plugin {name!r} {p}" for p in problems)
+            broken = None if problems else plugins.impl_problem(spec)
+            if broken:
+                result.problems.append(broken)
     if kind not in result.selected or result.selected[kind].capabilities.problems(req):
         result.alternatives[kind] = [s.name for s in _fits(kind, req)]
 
@@ -114,39 +157,22 @@ def check(
             result.selected["models"] = model_registry.resolve(hf_config)
         except model_registry.ModelError as exc:
             result.problems.append(str(exc))
-    for kind, field_name in SLOTS.items():
-        choice = getattr(config, field_name)
+    for kind in SLOTS:
+        choice = config.plugin_choice(kind)
         if choice.name is None:
             continue
-        if kind == "quant" and choice.name == "auto":
-            choice_name = _auto_quant(req, result)
-            if choice_name is None:
-                continue
-        else:
-            choice_name = choice.name
-        _resolve_slot(kind, choice_name, req, result)
+        _resolve_slot(kind, choice.name, req, result)
         spec = result.selected.get(kind)
         if spec is not None:
             try:
                 result.options[kind] = spec.parse_options(choice.options)
             except (ValidationError, plugins.PluginError) as exc:
-                result.problems.append(f"{field_name}.options: {_short(exc)}")
+                result.problems.append(f"{kind}.options: {_short(exc)}")
     _check_cross_slot(req, result)
     result.problems.extend(_not_implemented(config))
     for extra in plugins.get_plugin_manager().hook.fw_validate(config=config, requirements=req):
         result.problems.extend(extra or [])
     return result
-
-
-def _auto_quant(req: Requirements, result: CheckResult) -> str | None:
-    """The plugin that loads the checkpoint's format (``none`` for plain weights)."""
-    fmt = req.quant_format or "none"
-    for spec in plugins.available("quant").values():
-        if fmt in spec.capabilities.formats:
-            return spec.name
-    result.problems.append(f"no quant plugin loads {fmt!r} checkpoints (installed: "
-                           f"{', '.join(sorted({s.name for s in plugins.available('quant').values()})) or 'none'})")
-    return None
 
 
 def _not_implemented(config: FwConfig) -> list[str]:

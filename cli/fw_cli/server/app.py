@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
 import logging
+import os
 import reprlib
 import secrets
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -23,12 +25,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fw import __version__
 from fw.async_engine import AsyncEngine
-from fw.chat import ChatTemplateError, apply_chat_template, load_template
+from fw.chat import ChatTemplateError, load_template, render_chat
 from fw.config import ServerSection
 from fw.engine import EngineError
 from fw.inputs import TokensPrompt
 from fw.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from fw.sampling_params import SamplingParams, SamplingParamsError
+from fw.workers import WorkerError, WorkerPool
 from fw_cli.server.metrics import Metrics
 from fw_cli.server.protocol import (
     APIError,
@@ -44,6 +47,17 @@ _NEUTRAL = SamplingParams()
 MIN_LOGPROB = -9999.0  # JSON has no -inf: OpenAI and vLLM send this instead
 # What the engine runs: (prompt, params, engine request id, priority), as AsyncEngine.generate_many takes them.
 Submission = tuple[TokensPrompt, SamplingParams, str, int]
+T = TypeVar("T")
+DOCS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+RETRY_AFTER = {"Retry-After": "1"}  # seconds a turned-away client is asked to wait
+DISCONNECT_POLL_S = 0.2  # how often a request whose response has not started looks for its client having gone
+# A text longer than this per context token cannot fit: a prompt is refused before it is tokenized (unless it
+# asks for truncation), a chat template's rendering is stopped.
+CHARS_PER_TOKEN = 64
+# Chat templates render in worker processes (a request's template may loop for ever or eat memory), bounded in
+# time and memory.
+RENDER_TIMEOUT_S = 2.0
+RENDER_MEMORY = 1024**3
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -54,13 +68,26 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{'.'.join(loc) or 'body'}: {first['msg']}", param=".".join(loc) or None)
 
 
+REQUEST_ERRORS = (EngineError, SamplingParamsError)  # the request's own fault: a 400 naming the field
+
+
 @contextlib.contextmanager
 def _as_400() -> Iterator[None]:
-    """Request errors the engine or SamplingParams find become 400s naming the field."""
     try:
         yield
-    except (EngineError, SamplingParamsError) as exc:
-        raise APIError(400, str(exc), param=getattr(exc, "field", None)) from None
+    except REQUEST_ERRORS as exc:
+        raise _api_error(exc) from None
+
+
+def _api_error(exc: Exception, request_id: str = "") -> APIError:
+    """What a client is told of an exception: its request's error, or an internal one (logged, with the id)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, REQUEST_ERRORS):
+        return APIError(400, str(exc), param=getattr(exc, "field", None))
+    log.error("request %s failed", request_id, exc_info=exc)
+    return APIError(500, f"internal server error (request id {request_id}); the server log has the details",
+                    "InternalServerError")
 
 
 def _summary(params: SamplingParams) -> str:
@@ -77,15 +104,71 @@ class Server:
                  defaults: dict[str, Any] | None = None):
         self.engine = engine
         self.tokenizer = engine.engine.tokenizer
+        self.vocab_size = engine.engine.vocab_size
         self.max_model_len = engine.engine.max_model_len
         self.model_name = served_model_name
+        self.settings = settings
         self.api_key = settings.api_key.get_secret_value() if settings.api_key else None
+        # What needs no API key.
+        self.public = {"/health", *(["/metrics"] if settings.public_metrics else []),
+                       *(DOCS if settings.public_docs else [])}
         self.chat_template = load_template(settings.chat_template)
+        self.renderer = WorkerPool(min(4, os.cpu_count() or 1), RENDER_MEMORY, "fw-chat-template")
         self.max_logprobs = settings.max_logprobs
         self.log_requests = not settings.disable_log_requests
         self.defaults = defaults or {}  # SamplingParams values for fields a request leaves unset
         self.metrics = Metrics(engine.engine)
         self.created = int(time.time())
+        self.num_waiting = 0  # generation requests received and not generating yet
+        self.draining = False  # shutting down: in-flight requests finish, new ones are turned away
+
+    def authenticate(self, request: Request) -> Response | None:
+        """None when the request may pass; else the 401 (the bearer scheme in any case, the key compared in
+        constant time)."""
+        if not self.api_key or request.url.path in self.public:
+            return None
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and secrets.compare_digest(key.strip().encode(), self.api_key.encode()):
+            return None
+        err = APIError(401, "Incorrect API key provided.", "AuthenticationError", code="invalid_api_key")
+        return JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+    @contextlib.contextmanager
+    def _queued(self) -> Iterator[Callable[[], None]]:
+        """Count a generation request as waiting until it generates (it calls what it gets) or ends; beyond
+        --max-num-waiting of them the server answers 429, while shutting down 503, each with Retry-After."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", "ServiceUnavailableError", headers=RETRY_AFTER)
+        if self.num_waiting >= self.settings.max_num_waiting:
+            raise APIError(429, f"{self.num_waiting} requests are waiting already (--max-num-waiting); retry later",
+                           "RateLimitError", headers=RETRY_AFTER)
+        self.num_waiting += 1
+        waiting = True
+
+        def started() -> None:
+            nonlocal waiting
+            if waiting:
+                waiting = False
+                self.num_waiting -= 1
+
+        try:
+            yield started
+        finally:
+            started()
+
+    @staticmethod
+    async def _unless_disconnected(http: Request, work: Awaitable[T]) -> T:
+        """``work``, cancelled (its engine requests aborted) once the client disconnects: nothing else would stop a
+        request whose response has not started."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await http.is_disconnected():
+                    raise APIError(499, "the client disconnected", "ClientClosedRequest")
+            return task.result()
+        finally:
+            task.cancel()
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -99,9 +182,13 @@ class Server:
     def _prompt(self, prompt: str | list[int], body) -> TokensPrompt:
         """Token ids as the request asks (special tokens, truncation to the last k), with the text to echo."""
         if isinstance(prompt, str):
+            if body.truncate_prompt_tokens is None:
+                self._check_length(prompt)
             ids = self.tokenizer.encode(prompt, add_special_tokens=body.add_special_tokens)
-        else:
+        elif all(0 <= t < self.vocab_size for t in prompt):
             ids = list(prompt)
+        else:
+            raise APIError(400, f"prompt: token ids must be in [0, {self.vocab_size})", param="prompt")
         keep = self.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
         if keep is not None and len(ids) > keep:
             ids = ids[-keep:]
@@ -110,20 +197,43 @@ class Server:
         # Token ids, or a truncated text: the text echoed is what the ids decode to.
         return TokensPrompt(prompt_token_ids=ids, prompt=self.tokenizer.decode(ids, skip_special_tokens=False))
 
-    def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> TokensPrompt:
-        continue_final = body.continue_final_message
+    def _check_length(self, text: str) -> None:
+        """Refuse a prompt too long for the context by its length alone, before tokenizing it costs seconds."""
+        if len(text) > CHARS_PER_TOKEN * self.max_model_len:
+            raise APIError(400, f"prompt: {len(text)} characters cannot fit max_model_len {self.max_model_len}",
+                           param="prompt")
+
+    async def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> TokensPrompt:
+        """The messages rendered by the server's template (or, where allowed, the request's) in a worker process,
+        then tokenized off the event loop."""
+        param = "messages" if body.chat_template is None else "chat_template"
+        if body.chat_template is not None and not self.settings.allow_request_chat_template:
+            raise APIError(400, "chat_template: this server renders chats with its own template; start it with "
+                           "--allow-request-chat-template to take a request's", param=param)
+        template = body.chat_template or self.chat_template or self.tokenizer.chat_template
+        if not template:
+            raise APIError(400, "the model has no chat template; start the server with --chat-template", param=param)
+        kwargs = dict(body.chat_template_kwargs or {})  # they may set the two flags, as in vLLM
+        if "messages" in kwargs:
+            raise APIError(400, "chat_template_kwargs: messages come from the request's messages",
+                           param="chat_template_kwargs")
+        continue_final = bool(kwargs.pop("continue_final_message", body.continue_final_message))
+        add_generation = kwargs.pop("add_generation_prompt", not continue_final if body.add_generation_prompt is None
+                                    else body.add_generation_prompt)
+        variables = {"bos_token": self.tokenizer.bos_token or "", "eos_token": self.tokenizer.eos_token or "", **kwargs}
+        rendering = self.renderer.submit(
+            render_chat, template, [m.for_template() for m in body.messages], add_generation, continue_final,
+            variables, CHARS_PER_TOKEN * self.max_model_len, timeout=RENDER_TIMEOUT_S,
+        )
         try:
-            text = apply_chat_template(
-                self.tokenizer,
-                [m.for_template() for m in body.messages],
-                not continue_final if body.add_generation_prompt is None else body.add_generation_prompt,
-                body.chat_template or self.chat_template,
-                continue_final_message=continue_final,
-                **(body.chat_template_kwargs or {}),
-            )
+            text = await asyncio.wrap_future(rendering)
         except ChatTemplateError as exc:
-            raise APIError(400, str(exc), param="messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+            raise APIError(400, str(exc), param=param) from None
+        except TimeoutError:
+            raise APIError(400, f"the chat template took longer than {RENDER_TIMEOUT_S:g} s", param=param) from None
+        except (MemoryError, WorkerError):
+            raise APIError(400, "the chat template needed too much memory", param=param) from None
+        ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=bool(body.add_special_tokens))
         return TokensPrompt(prompt_token_ids=ids, prompt=text)
 
     def _submissions(self, body, prompts: list[TokensPrompt], request_id: str) -> list[Submission]:
@@ -133,9 +243,9 @@ class Server:
             submissions = []
             for i, prompt in enumerate(prompts):
                 prompt_len = len(prompt["prompt_token_ids"])
-                sampling = dataclasses.replace(
-                    params, max_tokens=body.resolve_max_tokens(prompt_len, self.max_model_len, self.defaults)
-                )
+                max_tokens = body.resolve_max_tokens(prompt_len, self.max_model_len, self.defaults,
+                                                     self.settings.max_tokens_default)
+                sampling = dataclasses.replace(params, max_tokens=max_tokens)
                 engine_id = f"{request_id}-{i}" if len(prompts) > 1 else request_id
                 if self.log_requests:
                     log.info("Received request %s: prompt tokens: %d, params: %s", engine_id, prompt_len,
@@ -143,32 +253,47 @@ class Server:
                 submissions.append((prompt, sampling, engine_id, body.priority))
         return submissions
 
-    async def _run(self, submissions: list[Submission]) -> list[RequestOutput]:
-        """All requests to their end, admitted together so the scheduler batches them; outputs in order."""
+    async def _run(self, http: Request, submissions: list[Submission], started: Callable[[], None]) -> list[RequestOutput]:
+        """All requests to their end, admitted together so the scheduler batches them; outputs in order. Aborted
+        if the client disconnects first."""
         outputs: list[RequestOutput] = [None] * len(submissions)  # type: ignore[list-item]
         start = time.monotonic()
-        with _as_400():
+
+        async def collect() -> list[RequestOutput]:
             async for i, out in self.engine.generate_many(submissions):
+                started()
                 outputs[i] = out
                 if out.finished:
                     self.metrics.observe_request(out, start)
-        return outputs
+            return outputs
+
+        with _as_400():
+            return await self._unless_disconnected(http, collect())
 
     # --- /v1/completions -----------------------------------------------------
 
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
+        with self._queued() as started:
+            return await self._completions(body, http, started)
+
+    async def _completions(self, body: CompletionRequest, http: Request, started: Callable[[], None]) -> Response:
         self.check_model(body.model)
         if body.suffix is not None:
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of not in (None, body.n):
             raise APIError(400, f"best_of must equal n ({body.n}): every sampled sequence is returned", param="best_of")
+        prompts = body.prompts()
+        if len(prompts) > self.settings.max_prompts_per_request:
+            raise APIError(400, f"prompt: at most {self.settings.max_prompts_per_request} prompts in one request "
+                           "(--max-prompts-per-request)", param="prompt")
         request_id = self._request_id(body, http)
         response_id = f"cmpl-{request_id}"
-        submissions = self._submissions(body, [self._prompt(p, body) for p in body.prompts()], response_id)
+        tokens = await asyncio.to_thread(lambda: [self._prompt(p, body) for p in prompts])
+        submissions = self._submissions(body, tokens, response_id)
         if body.stream:
             stream = self._stream_completion(body, submissions, response_id)
-            return await self._start_stream(stream, request_id)
-        outputs = await self._run(submissions)
+            return await self._start_stream(http, stream, request_id)
+        outputs = await self._run(http, submissions, started)
         choices = [self._completion_choice(body, p * body.n + comp.index, out, comp)
                    for p, out in enumerate(outputs) for comp in out.outputs]
         usage = _usage(sum(len(o.prompt_token_ids) for o in outputs),
@@ -238,6 +363,10 @@ class Server:
     # --- /v1/chat/completions ------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
+        with self._queued() as started:
+            return await self._chat(body, http, started)
+
+    async def _chat(self, body: ChatCompletionRequest, http: Request, started: Callable[[], None]) -> Response:
         self.check_model(body.model)
         # tools are given to the template only to be ignored with tool_choice "none"; absent, it means "auto"
         if body.tool_choice != "none" and (body.tools or body.tool_choice is not None):
@@ -245,11 +374,11 @@ class Server:
                            param="tool_choice" if body.tool_choice is not None else "tools")
         request_id = self._request_id(body, http)
         response_id = f"chatcmpl-{request_id}"
-        submissions = self._submissions(body, [self._chat_prompt(body)], response_id)
+        submissions = self._submissions(body, [await self._chat_prompt(body)], response_id)
         n = submissions[0][1].logprobs
         if body.stream:
-            return await self._start_stream(self._stream_chat(body, submissions, response_id), request_id)
-        (out,) = await self._run(submissions)
+            return await self._start_stream(http, self._stream_chat(body, submissions, response_id), request_id)
+        (out,) = await self._run(http, submissions, started)
         choices = [
             {
                 "index": comp.index,
@@ -344,33 +473,40 @@ class Server:
 
     # --- /tokenize, /detokenize (vLLM's) ----------------------------------------
 
-    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
         if body.messages is not None:
-            ids = self._chat_prompt(body)["prompt_token_ids"]
+            ids = (await self._chat_prompt(body))["prompt_token_ids"]
         else:
-            ids = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+            self._check_length(body.prompt)
+            ids = await asyncio.to_thread(self.tokenizer.encode, body.prompt,
+                                          add_special_tokens=body.add_special_tokens is not False)
         strs = [self.tokenizer.backend.id_to_token(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
-    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         self.check_model(body.model)
         vocab = self.tokenizer.vocab_size
         if any(t >= vocab for t in body.tokens):
             raise APIError(400, f"tokens: token ids must be below the vocabulary size {vocab}", param="tokens")
-        return {"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, body.tokens, skip_special_tokens=False)}
 
     # --- helpers --------------------------------------------------------------
 
-    async def _start_stream(self, stream: AsyncIterator[str], request_id: str) -> StreamingResponse:
-        """Admit the request before answering 200, so that a bad request still gets its 400."""
+    async def _start_stream(self, http: Request, stream: AsyncIterator[str], request_id: str) -> StreamingResponse:
+        """Admit the request before answering 200, so that a bad request still gets its 400; an error after that
+        ends the stream with an error event, as vLLM sends it."""
         with _as_400():
-            first = await stream.__anext__()
+            first = await self._unless_disconnected(http, stream.__anext__())
 
         async def body() -> AsyncIterator[str]:
             yield first
-            async for item in stream:
-                yield item
+            try:
+                async for item in stream:
+                    yield item
+            except Exception as exc:  # noqa: BLE001 - the status is sent: the error goes in the stream
+                yield _sse(_api_error(exc, request_id).body())
+                yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream", headers={"X-Request-Id": request_id})
 
@@ -399,11 +535,14 @@ def build_app(server: Server) -> FastAPI:
         yield
         server.engine.shutdown()
 
-    app = FastAPI(title="Flywheel", version=__version__, lifespan=lifespan)
+    # max_body_size: a larger body is refused by its Content-Length, or once that many bytes came, before parsing.
+    app = FastAPI(title="Flywheel", version=__version__, lifespan=lifespan,
+                  max_body_size=server.settings.max_request_bytes)
+    app.add_middleware(_Guard, server=server)
 
     @app.exception_handler(APIError)
     async def api_error(_request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -413,17 +552,10 @@ def build_app(server: Server) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        path = request.url.path
-        if server.api_key and (path.startswith("/v1") or path in ("/tokenize", "/detokenize")):
-            header = request.headers.get("authorization", "")
-            if not secrets.compare_digest(header.encode(), f"Bearer {server.api_key}".encode()):
-                err = APIError(401, "Incorrect API key provided.", "AuthenticationError", code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401)
-        return await call_next(request)
+        message = str(exc.detail)
+        if exc.status_code == 413:
+            message = f"the request body is larger than {server.settings.max_request_bytes} bytes (--max-request-bytes)"
+        return JSONResponse(APIError(exc.status_code, message, kind).body(), status_code=exc.status_code)
 
     @app.get("/health")
     async def health() -> Response:
@@ -455,17 +587,56 @@ def build_app(server: Server) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        return server.tokenize(body)
+        return await server.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        return server.detokenize(body)
+        return await server.detokenize(body)
 
     return app
 
 
+class _Guard:
+    """Our outermost middleware: the API key first; then any exception a handler lets out becomes an
+    OpenAI-shaped 500 with a request id (its traceback logged), never a plain-text one."""
+
+    def __init__(self, app: Callable, server: Server) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request = Request(scope)
+        if (refusal := self.server.authenticate(request)) is not None:
+            return await refusal(scope, receive, send)
+        responded = False
+
+        async def watched_send(message: dict) -> None:
+            nonlocal responded
+            responded = responded or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as exc:
+            if responded:  # too late for a status: the connection just ends
+                raise
+            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            error = _api_error(exc, request_id)
+            response = JSONResponse(error.body(), status_code=error.status, headers={"X-Request-Id": request_id})
+            await response(scope, receive, send)
+
+
 class _GracefulServer(uvicorn.Server):
     """SIGTERM/SIGINT: stop accepting, let in-flight requests finish, then exit 0 (uvicorn re-raises the signal)."""
+
+    def __init__(self, config: uvicorn.Config, server: Server) -> None:
+        super().__init__(config)
+        self.fw_server = server
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.fw_server.draining = True
+        super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -480,4 +651,4 @@ class _GracefulServer(uvicorn.Server):
 def run(server: Server, host: str, port: int, log_level: str = "info") -> None:
     """Serve until SIGTERM/SIGINT; uvicorn logs at ``log_level`` (info: a line per HTTP request)."""
     config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
-    _GracefulServer(config).run()
+    _GracefulServer(config, server).run()

@@ -20,16 +20,34 @@ log = logging.getLogger("fw.server")
 STRUCTURED_KINDS = ("json", "regex", "choice", "json_object")
 
 
+# Per-step costs grow with these (stop-string matching, logit_bias rows, stop-token lookups), so they are bounded;
+# logit_bias at OpenAI's 300.
+MAX_STOP_CHARS = 512
+MAX_TOKEN_IDS = 300
+MAX_BAD_WORDS = 100
+
+
 class APIError(Exception):
     """An error answered with OpenAI's error body."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _check_unicode(data: dict[str, Any]) -> None:
+    """Every string must encode: JSON allows a lone surrogate ("\\ud800"), which no tokenizer or response takes.
+    (Serialized to find one, which takes milliseconds where walking a 4 MB body in Python would take a second.)"""
+    for field, value in data.items():
+        try:
+            json.dumps([field, value], ensure_ascii=False, default=str).encode()
+        except UnicodeEncodeError:
+            raise ValueError(f"{field}: a lone surrogate is not valid Unicode text") from None
 
 
 class _Lenient(BaseModel):
@@ -41,6 +59,7 @@ class _Lenient(BaseModel):
     @classmethod
     def _warn_unknown(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            _check_unicode(data)
             known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
             if unknown := sorted(set(data) - known):
                 log.warning("The following fields were present in the request but ignored: %s", unknown)
@@ -67,7 +86,7 @@ class ResponseFormat(_Lenient):
 class _SamplingFields(_Lenient):
     """Fields both endpoints share, with OpenAI's ranges (the engine re-checks its own)."""
 
-    default_max_tokens: ClassVar[int | None]  # without max_tokens or a generation-config default; None: the context
+    default_max_tokens: ClassVar[int | None]  # without max_tokens or a generation-config default; None: the cap
     logprobs_field: ClassVar[str]  # the field that asks for output logprobs
 
     model: str | None = None  # None: the served model
@@ -80,7 +99,7 @@ class _SamplingFields(_Lenient):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_TOKEN_IDS)
     user: str | None = None
     # vLLM's extras.
     top_k: int | None = Field(None, ge=-1)
@@ -88,7 +107,7 @@ class _SamplingFields(_Lenient):
     repetition_penalty: float | None = Field(None, gt=0, le=2)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_IDS)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     guided_json: str | dict[str, Any] | None = None
@@ -98,10 +117,10 @@ class _SamplingFields(_Lenient):
     response_format: ResponseFormat | None = None
     prompt_logprobs: int | None = Field(None, ge=0)
     allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    bad_words: list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]] | None = Field(None, max_length=MAX_BAD_WORDS)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens; -1: max_model_len
     priority: int = 0
-    request_id: str | None = None
+    request_id: str | None = Field(None, pattern=r"^[!-~]{1,256}$")  # printable ASCII: it goes back as a header
 
     @field_validator("stop")
     @classmethod
@@ -109,6 +128,8 @@ class _SamplingFields(_Lenient):
         stops = [value] if isinstance(value, str) else value
         if stops is not None and len(stops) > 4:
             raise ValueError("at most 4 stop sequences are allowed")
+        if stops is not None and any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise ValueError(f"a stop sequence has at most {MAX_STOP_CHARS} characters")
         return stops
 
     @field_validator("truncate_prompt_tokens")
@@ -127,13 +148,14 @@ class _SamplingFields(_Lenient):
     def num_prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs
 
-    def resolve_max_tokens(self, prompt_len: int, max_model_len: int, defaults: dict[str, Any]) -> int:
-        """The client's limit, else the generation config's or the endpoint's default within the context left."""
+    def resolve_max_tokens(self, prompt_len: int, max_model_len: int, defaults: dict[str, Any], cap: int) -> int:
+        """The client's limit, else the generation config's or the endpoint's default, within ``cap``
+        (--max-tokens-default) and the context left."""
         if (asked := self.token_limit()) is not None:
             return asked
         room = max(max_model_len - prompt_len, 1)
         default = defaults.get("max_tokens", self.default_max_tokens)
-        return room if default is None else min(default, room)
+        return min(room, cap) if default is None else min(default, room, cap)
 
     def structured(self) -> StructuredOutputsParams | None:
         given = {
@@ -254,12 +276,14 @@ class _ChatTemplateFields(_Lenient):
 
     add_generation_prompt: bool | None = None  # None: True, unless continue_final_message
     continue_final_message: bool = False
-    chat_template: str | None = None  # the template itself, never a path: a client must not read server files
+    # The template itself, never a path (a client must not read server files); refused unless the server was
+    # started with --allow-request-chat-template.
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
-    default_max_tokens = None  # OpenAI's: as many as the context allows
+    default_max_tokens = None  # OpenAI's and vLLM's: as many as the context allows; here --max-tokens-default
     logprobs_field = "top_logprobs"
 
     messages: list[ChatMessage] = Field(min_length=1)

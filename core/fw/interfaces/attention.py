@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fw.interfaces.base import Capabilities, Requirements
 
@@ -31,6 +31,8 @@ class AttentionCapabilities(Capabilities):
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
     head_sizes: frozenset[int] | None = None  # None: any head size
     block_sizes: frozenset[int] | None = None  # None: any block size
+
+    KNOWN: ClassVar[dict[str, frozenset[str]]] = {**Capabilities.KNOWN, "features": FEATURES}
 
     def problems(self, req: Requirements) -> list[str]:
         out = super().problems(req)

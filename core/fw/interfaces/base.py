@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 ALL_DEVICES = frozenset({"cpu", "cuda"})
 FLOAT_DTYPES = frozenset({"float32", "bfloat16", "float16"})
@@ -47,6 +48,22 @@ class Capabilities:
     requires_modules: tuple[str, ...] = ()
     min_devices: int = 1
 
+    # Field -> every name it may hold. Checked when a spec is discovered, so that a typo ("bf16") marks the
+    # plugin broken instead of surfacing as a mismatch at run time.
+    KNOWN: ClassVar[dict[str, frozenset[str]]] = {"devices": ALL_DEVICES, "dtypes": FLOAT_DTYPES, "features": frozenset()}
+
+    def unknown_names(self) -> list[str]:
+        """One message per field that holds a name the core does not know."""
+        out = []
+        for name, known in self.KNOWN.items():
+            unknown = sorted(set(getattr(self, name)) - known)
+            if unknown:
+                out.append(
+                    f"capabilities.{name}: unknown {', '.join(map(repr, unknown))} "
+                    f"(known: {', '.join(sorted(known)) or 'none for this kind'})"
+                )
+        return out
+
     def problems(self, req: Requirements) -> list[str]:
         out = []
         if req.device not in self.devices:
@@ -82,8 +99,8 @@ class Capabilities:
 
 
 def supported_api_versions(current: int) -> tuple[int, int]:
-    """The core accepts plugins written against the current and the previous API version."""
-    return (current - 1, current)
+    """The core accepts plugins written against the current and the previous API version (versions start at 1)."""
+    return (max(current - 1, 1), current)
 
 
 def frozen(*items: str) -> frozenset[str]:

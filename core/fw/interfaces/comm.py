@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fw.interfaces.base import Capabilities
 
@@ -27,6 +27,8 @@ OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "se
 @dataclass(frozen=True)
 class CommCapabilities(Capabilities):
     ops: frozenset[str] = OPS
+
+    KNOWN: ClassVar[dict[str, frozenset[str]]] = {**Capabilities.KNOWN, "ops": OPS}
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""KV connector interface (plugin kind ``fw.kvconnector``).
+"""KV connector interface (plugin kind ``kv_connector``, entry-point group ``fw.kv_connector``).
 
 A KV connector moves KV-cache blocks between this engine and the outside
 (another instance for disaggregated prefill/decode, a disk or a remote
@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from fw.interfaces.base import Capabilities, Requirements
 
@@ -29,6 +29,8 @@ ROLES = frozenset({"producer", "consumer", "both"})
 @dataclass(frozen=True)
 class KVConnectorCapabilities(Capabilities):
     roles: frozenset[str] = ROLES
+
+    KNOWN: ClassVar[dict[str, frozenset[str]]] = {**Capabilities.KNOWN, "roles": ROLES}
 
     def problems(self, req: Requirements) -> list[str]:
         out = super().problems(req)

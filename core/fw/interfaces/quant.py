@@ -8,8 +8,9 @@ Formats whose files are not safetensors + config.json (GGUF) also provide
 
 Checkpoint-format detection is data: ``config.json``'s
 ``quantization_config.quant_method`` (or a ``fw_detect_quant_format`` hook)
-names a format, and the plugin whose ``QuantCapabilities.formats`` lists it
-is chosen.
+names a format, and "auto" chooses the highest-priority plugin whose
+``QuantCapabilities.formats`` lists it ("none", priority 10, for plain weights;
+a plugin that also loads plain checkpoints runs when named, or above it).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from fw.interfaces.attention import FEATURES
 from fw.interfaces.base import Capabilities, Requirements
 
 if TYPE_CHECKING:
@@ -36,6 +38,8 @@ class QuantCapabilities(Capabilities):
     formats: frozenset[str] = frozenset({"none"})
     # Attention features this scheme needs (e.g. "fp8_kv"); checked against the chosen backend.
     requires_attention_features: frozenset[str] = frozenset()
+
+    KNOWN: ClassVar[dict[str, frozenset[str]]] = {**Capabilities.KNOWN, "requires_attention_features": FEATURES}
 
     def problems(self, req: Requirements) -> list[str]:
         out = super().problems(req)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from fw.interfaces.base import Capabilities
 
@@ -29,12 +29,24 @@ if TYPE_CHECKING:
 
 API_VERSION = 1
 
-# Feature flags: "seed", "logprobs", "penalties", "beam", "structured".
+# Feature flags a sampler may declare in ``SamplerCapabilities.features``.
+FEATURES = frozenset({"seed", "logprobs", "penalties", "beam", "structured"})
 
 
 @dataclass(frozen=True)
 class SamplerCapabilities(Capabilities):
-    pass
+    KNOWN: ClassVar[dict[str, frozenset[str]]] = {**Capabilities.KNOWN, "features": FEATURES}
+
+
+class RequestError(Exception):
+    """Raised from ``sample`` when some requests cannot go on (their constraint failed to compile, say):
+    ``errors`` maps each one's request id to why (a ValueError: the request's own fault). ``LLMEngine.step``
+    raises it too, by the client's request ids, before changing any state; ``AsyncEngine`` then fails just those
+    requests, and the others step on."""
+
+    def __init__(self, errors: dict[str, Exception]) -> None:
+        super().__init__("; ".join(f"{request_id}: {error}" for request_id, error in errors.items()))
+        self.errors = errors
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from fw.interfaces.base import frozen
 from fw.interfaces.model import API_VERSION, ModelCapabilities
-from fw.plugins import PluginSpec
+from fw.plugins import BUILTIN_PRIORITY, PluginSpec
 
 
 def _spec(name: str, impl: str, architectures: frozenset[str], description: str) -> PluginSpec:
@@ -13,6 +13,7 @@ def _spec(name: str, impl: str, architectures: frozenset[str], description: str)
         capabilities=ModelCapabilities(architectures=architectures, devices=frozen("cpu", "cuda")),
         api_version=API_VERSION,
         description=description,
+        priority=BUILTIN_PRIORITY,
     )
 
 

@@ -9,6 +9,12 @@ plugin; pytest then runs the whole suite against it::
         plugin = "my-sampler"
         options = {"strength": 0.5}
 
+Kinds: ``AttentionConformance``, ``QuantConformance`` (give a ``QuantFixture``
+per checkpoint format), ``CommConformance``, ``KVConnectorConformance``,
+``SamplerConformance`` and ``HooksConformance`` (``plugin`` is the
+``fw.hooks`` entry-point name). fw's own tests run every suite against a
+deliberately broken plugin of its kind, which must fail it.
+
 Numerical tests run on the first device the plugin supports that this host
 has, and are skipped (saying why) when it has none.
 """
@@ -17,23 +23,22 @@ from __future__ import annotations
 
 import math
 import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from fw import plugins
+from fw import model_registry, plugins
 from fw.interfaces import attention, comm, kvconnector, quant, sampler
 from fw.interfaces.sampler import SamplingBatch
 from fw.sampling_params import SamplingParams
 
-RECORDS = {
-    "attention": attention.AttentionCapabilities,
-    "quant": quant.QuantCapabilities,
-    "comm": comm.CommCapabilities,
-    "kvconnector": kvconnector.KVConnectorCapabilities,
-    "sampler": sampler.SamplerCapabilities,
-}
 BASES: dict[str, type] = {
     "attention": attention.AttentionBackend,
     "quant": quant.QuantMethod,
@@ -72,8 +77,8 @@ class PluginConformance:
 
     def test_spec_is_well_formed(self) -> None:
         spec = self.spec
-        assert spec.kind == self.kind and spec.name == self.plugin
-        assert isinstance(spec.capabilities, RECORDS[self.kind])
+        assert plugins.canonical_kind(spec.kind) == self.kind and spec.name == self.plugin
+        assert isinstance(spec.capabilities, plugins.RECORDS[self.kind])
         assert spec.description, "describe the plugin in one sentence"
         assert spec.capabilities.devices, "declare at least one device"
 
@@ -119,79 +124,170 @@ def dense_attention(q, k, v, positions_q, sliding_window=None):
 
 
 class AttentionConformance(PluginConformance):
+    """Paged attention against a dense reference, for every dtype the backend declares and two block sizes.
+
+    Three steps over four requests: prompts prefilled; then a chunk continuing a prompt, a fresh prompt, a decode
+    whose token opens a new block, and a prompt whose first block is another request's (a shared, cached prefix);
+    then a decode-only step.
+    """
+
     kind = "attention"
     head_size: ClassVar[int] = 64
+    # Two sizes catch a kernel that assumes one; a backend declaring block_sizes runs (up to two of) its own.
+    block_sizes: ClassVar[tuple[int, ...]] = (16, 32)
+    tolerances: ClassVar[dict[torch.dtype, float]] = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
-    def _run_two_steps(self, sliding_window: int | None) -> None:
+    def _cases(self) -> list[tuple[torch.dtype, int]]:
+        caps = self.spec.capabilities
+        sizes = sorted(caps.block_sizes)[:2] if caps.block_sizes else self.block_sizes
+        return [(getattr(torch, d), b) for d in sorted(caps.dtypes) for b in sizes]
+
+    def _check(self, dtype: torch.dtype, b: int, sliding_window: int | None) -> None:
         device = self.device()
-        # fp32 where the backend has it (tight check); bf16 kernels are compared within bf16 rounding.
-        dtype = torch.float32 if "float32" in self.spec.capabilities.dtypes else torch.bfloat16
-        atol = 2e-5 if dtype is torch.float32 else 3e-2
         backend = self.make()
         gen = torch.Generator().manual_seed(0)
-        heads, kv_heads, block = 4, 2, 16
+        heads, kv_heads = 4, 2
         layer = attention.AttentionLayerSpec(heads, kv_heads, self.head_size, self.head_size**-0.5, sliding_window)
-        num_blocks = 16
-        cache = torch.zeros(
-            backend.kv_cache_shape(num_blocks, block, kv_heads, self.head_size), dtype=dtype, device=device
-        )
-        # (cached context, new tokens): a chunk continuing a prompt, a fresh prompt, a decode.
-        shapes = [(20, 5), (0, 9), (30, 1)]
-        perm = torch.randperm(num_blocks, generator=gen).tolist()
-        tables = [perm[0:2], perm[2:3], perm[3:5]]
-        total = [c + n for c, n in shapes]
-        qkv = [
-            tuple(
-                torch.randn(s, h, self.head_size, generator=gen, dtype=torch.float32)
-                for h in (heads, kv_heads, kv_heads)
+        # Per request: its total tokens, and the (first token, count) it computes in each of the three steps.
+        plan = {
+            "chunked": (b + 10, [(0, b + 4), (b + 4, 5), (b + 9, 1)]),
+            "late": (10, [None, (0, 9), (9, 1)]),
+            "decode": (2 * b + 2, [(0, 2 * b), (2 * b, 1), (2 * b + 1, 1)]),
+            "shared": (b + 4, [None, (b, 3), (b + 3, 1)]),  # its first b tokens are "chunked"'s first block
+        }
+        free = iter(torch.randperm(12, generator=gen).tolist())
+        tables = {r: [next(free) for _ in range(-(-total // b))] for r, (total, _) in plan.items() if r != "shared"}
+        tables["shared"] = [tables["chunked"][0], next(free)]
+        qkv = {
+            r: [torch.randn(total, h, self.head_size, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads)]
+            for r, (total, _) in plan.items()
+        }
+        for t in (1, 2):  # the shared prefix holds the same keys and values
+            qkv["shared"][t][:b] = qkv["chunked"][t][:b]
+        cache = torch.zeros(backend.kv_cache_shape(12, b, kv_heads, self.head_size), dtype=dtype, device=device)
+        tol = self.tolerances[dtype]
+        for step in range(3):
+            batch = [(r, *steps[step]) for r, (_, steps) in plan.items() if steps[step] is not None]
+            meta = attention.AttentionBatch.build(
+                [tables[r][: -(-(s + n) // b)] for r, s, n in batch], [s for _, s, _ in batch], [n for *_, n in batch],
+                b, device,
             )
-            for s in total
-        ]
+            q, k, v = (torch.cat([qkv[r][i][s : s + n] for r, s, n in batch]).to(device) for i in range(3))
+            out = backend.forward(layer, q, k, v, cache, backend.prepare(meta)).float().cpu()
+            row = 0
+            for r, s, n in batch:
+                rq, rk, rv = (t.float() for t in qkv[r])
+                expected = dense_attention(rq[s : s + n], rk[: s + n], rv[: s + n], torch.arange(s, s + n), sliding_window)
+                torch.testing.assert_close(
+                    out[row : row + n], expected, atol=tol, rtol=tol * 5,
+                    msg=lambda m, r=r, step=step: f"{dtype}, block size {b}, step {step + 1}, request {r!r}: {m}",
+                )
+                row += n
 
-        def step(starts: list[int], counts: list[int]) -> torch.Tensor:
-            batch = attention.AttentionBatch.build(tables, starts, counts, block, device)
-            q, k, v = (
-                torch.cat([t[i][s : s + n] for t, s, n in zip(qkv, starts, counts, strict=True)]).to(device, dtype)
-                for i in range(3)
-            )
-            return backend.forward(layer, q, k, v, cache, backend.prepare(batch)).float().cpu()
-
-        step([0] * 3, [c for c, _ in shapes])  # write the cached context
-        out = step([c for c, _ in shapes], [n for _, n in shapes])
-        row = 0
-        for (ctx, new), (q, k, v) in zip(shapes, qkv, strict=True):
-            q, k, v = (t.to(dtype).float() for t in (q, k, v))
-            expected = dense_attention(q[ctx:], k, v, torch.arange(ctx, ctx + new), sliding_window)
-            torch.testing.assert_close(out[row : row + new], expected, atol=atol, rtol=atol * 5)
-            row += new
-
-    def test_paged_prefill_and_decode_match_dense(self) -> None:
-        self._run_two_steps(None)
+    def test_paged_attention_matches_dense(self) -> None:
+        for dtype, block_size in self._cases():
+            self._check(dtype, block_size, None)
 
     def test_sliding_window(self) -> None:
         if "sliding_window" not in self.spec.capabilities.features:
             pytest.skip(f"{self.plugin} does not declare sliding_window")
-        self._run_two_steps(8)
+        for dtype, block_size in self._cases():
+            self._check(dtype, block_size, 8)
+
+
+def plain_checkpoint(plain: Path, _out: Path) -> Path:
+    """The fixture of the ``none`` format: the plain checkpoint as it is."""
+    return plain
+
+
+@dataclass(frozen=True)
+class QuantFixture:
+    """How to write a checkpoint in one format, and how close its linear layers must come to the float weights."""
+
+    # (a plain float32 checkpoint directory, an empty directory) -> a checkpoint of the same weights in the format
+    build: Callable[[Path, Path], Path]
+    # The largest relative error |y - x W^T| / |x W^T| (Frobenius norms) any linear layer may make in float32;
+    # 16-bit dtypes get their rounding on top.
+    tolerance: float
+
+
+class _DenseLinear(quant.LinearMethod):
+    """The reference: float32 ``[out, in]`` weights, through the core's own weight loader."""
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        weight = torch.nn.Parameter(torch.empty(sum(output_sizes), input_size), requires_grad=False)
+        weight.output_dim, weight.input_dim = 0, 1
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer, x, bias=None):
+        return F.linear(x, layer.weight, bias)
+
+
+class _DenseReference(quant.QuantMethod):
+    def get_linear_method(self, prefix: str) -> quant.LinearMethod:
+        return _DenseLinear()
+
+
+def _load(path: Path, method_for: Callable[[dict | None], quant.QuantMethod], dtype: torch.dtype, device: str):
+    """The model at ``path`` as the engine loads it: config.json (else the quant method's reading of the file),
+    the quant method for its quantization_config, then every tensor through the layers' weight loaders."""
+    from fw.model_loader import iter_safetensors, load_model
+    from fw.models.base import HFConfig, ModelContext
+
+    hf_config = model_registry.read_hf_config(str(path)) or method_for(None).checkpoint_config(str(path))
+    method = method_for(hf_config.get("quantization_config"))
+    weights = method.load_checkpoint(str(path)) or iter_safetensors(path)
+    ctx = ModelContext(dtype=dtype, quant=method, attention=None)  # no forward pass: linear layers only
+    return load_model(model_registry.resolve(hf_config).load(), HFConfig(hf_config), ctx, weights, device=device)
 
 
 class QuantConformance(PluginConformance):
-    kind = "quant"
+    """Every linear layer of a tiny model, loaded from a checkpoint of each format the plugin declares (through the
+    layers' weight loaders: fused q/k/v and gate/up shards, packed parameters), against the float weights."""
 
-    def test_linear_method_creates_shardable_parameters(self) -> None:
-        if "none" not in self.spec.capabilities.formats:
-            pytest.skip("needs a checkpoint of the plugin's own format; covered by the plugin's tests")
-        method = self.make().get_linear_method("layer")
-        layer = torch.nn.Module()
-        method.create_weights(layer, 32, [16, 8], torch.float32)
-        params = dict(layer.named_parameters())
-        assert params, "create_weights registered no parameters"
-        for name, param in params.items():
-            assert hasattr(param, "output_dim") and hasattr(param, "input_dim"), name
-        weight = torch.randn(24, 32)
-        layer.weight.data.copy_(weight)
-        method.process_weights_after_loading(layer)
-        x = torch.randn(3, 32)
-        torch.testing.assert_close(method.apply(layer, x), x @ weight.T)
+    kind = "quant"
+    # Format -> its fixture. Every format in the spec's ``formats`` needs one; "none" defaults to the plain
+    # checkpoint with a float32-exact tolerance (a plugin that quantizes plain checkpoints gives its own).
+    fixtures: ClassVar[dict[str, QuantFixture]] = {"none": QuantFixture(plain_checkpoint, 1e-5)}
+    architecture: ClassVar[str] = "LlamaForCausalLM"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def plain(cls, tmp_path_factory) -> Path:
+        from fw.testing.models import make_tiny_model
+
+        return make_tiny_model(cls.architecture, tmp_path_factory.mktemp("quant") / "plain")
+
+    def _dtypes(self, device: str) -> list[torch.dtype]:
+        # On the CPU fw serves float16 checkpoints as bfloat16 (fw.validate), so float16 runs on CUDA only.
+        names = sorted(self.spec.capabilities.dtypes - ({"float16"} if device == "cpu" else set()))
+        return [getattr(torch, d) for d in names]
+
+    def test_every_format_has_a_fixture(self) -> None:
+        missing = sorted(self.spec.capabilities.formats - set(self.fixtures))
+        assert not missing, f"set fixtures[format] = QuantFixture(build, tolerance) for {', '.join(missing)}"
+
+    def test_linear_layers_match_the_float_weights(self, plain: Path, tmp_path: Path) -> None:
+        device = self.device()
+        impl, options = self.spec.load(), self.spec.parse_options(self.options)
+        reference = _load(plain, lambda _: _DenseReference(), torch.float32, "cpu")
+        gen = torch.Generator().manual_seed(0)
+        for fmt in sorted(self.spec.capabilities.formats & set(self.fixtures)):
+            fixture = self.fixtures[fmt]
+            (tmp_path / fmt).mkdir()
+            checkpoint = fixture.build(plain, tmp_path / fmt)
+            for dtype in self._dtypes(device):
+                model = _load(checkpoint, lambda qc: impl(options, qc), dtype, device)
+                tol = fixture.tolerance + (0 if dtype == torch.float32 else 2e-2)
+                layers = [(n, m) for n, m in model.named_modules() if hasattr(m, "linear_method")]
+                assert layers, "the model has no linear layers built by the quant method"
+                for name, layer in layers:
+                    ref = reference.get_submodule(name)
+                    x = torch.randn(5, ref.input_size, generator=gen)
+                    with torch.no_grad():
+                        expected, got = ref(x), layer(x.to(device, dtype)).float().cpu()
+                    error = ((got - expected).norm() / expected.norm()).item()
+                    assert error <= tol, f"{fmt} checkpoint, {dtype}, {name}: relative error {error:.3g} > {tol:.3g}"
 
 
 def _free_port() -> int:
@@ -200,27 +296,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Every collective of fw.interfaces.comm.Communicator that _comm_worker exercises; the suite fails when the
+# interface grows one that is not in this list.
+EXERCISED = frozenset(
+    {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv", "barrier",
+     "exchange_counts", "dispatch", "combine"}
+)
+
+
 def _comm_worker(rank: int, world: int, port: int, kind: str, name: str, options: dict, queue) -> None:
     spec = plugins.get_spec(kind, name)
     impl = spec.load()
     impl.init_world(rank, world, f"tcp://127.0.0.1:{port}", "cpu", 60.0)
     group = impl(list(range(world)), rank, "cpu", spec.parse_options(options))
     results = {}
-    t = torch.full((4,), float(rank + 1))
-    results["all_reduce"] = group.all_reduce(t.clone()).tolist()
-    results["all_gather"] = group.all_gather(torch.tensor([float(rank)]), dim=0).tolist()
+    results["all_reduce"] = group.all_reduce(torch.full((2, 3), float(rank + 1))).tolist()
+    results["all_gather"] = group.all_gather(torch.full((2, 1), float(rank))).tolist()  # default dim: -1
+    results["all_gather_0"] = group.all_gather(torch.tensor([float(rank)]), dim=0).tolist()
     results["reduce_scatter"] = group.reduce_scatter(torch.arange(4.0) + rank, dim=0).tolist()
+    results["reduce_scatter_1"] = group.reduce_scatter(torch.arange(8.0).view(2, 4) + rank, dim=1).tolist()
     send = [1, 2] if rank == 0 else [3, 1]
-    rows = torch.arange(sum(send), dtype=torch.float32) + 10 * rank
+    rows = (torch.arange(sum(send), dtype=torch.float32) + 10 * rank).unsqueeze(1).repeat(1, 2)
     recv = group.exchange_counts(send)
-    results["all_to_all"] = group.all_to_all(rows, send, recv).tolist()
+    results["exchange_counts"] = recv
+    results["all_to_all"] = group.all_to_all(rows, send, recv)[:, 0].tolist()
     results["broadcast"] = group.broadcast(torch.tensor([float(rank)]), src=1).tolist()
+    results["broadcast_0"] = group.broadcast(torch.tensor([float(rank + 5)]), src=0).tolist()
     buf = torch.zeros(2)
     if rank == 0:
         group.send(torch.tensor([7.0, 8.0]), dst=1)
+        results["recv"] = group.recv(buf, src=1).tolist()
     else:
-        group.recv(buf, src=0)
-    results["recv"] = buf.tolist()
+        results["recv"] = group.recv(buf, src=0).tolist()
+        group.send(torch.tensor([9.0, 6.0]), dst=0)
     # MoE dispatch/combine: 4 experts, 2 per rank; combine must equal the dense weighted sum.
     hidden = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
     topk_ids = torch.tensor([[0, 3], [1, 2], [3, 0]])
@@ -237,6 +345,11 @@ def _comm_worker(rank: int, world: int, port: int, kind: str, name: str, options
 
 class CommConformance(PluginConformance):
     kind = "comm"
+
+    def test_suite_covers_every_collective(self) -> None:
+        methods = {name for name in dir(comm.Communicator) if not name.startswith("_")}
+        uncovered = methods - EXERCISED - {"init_world", "destroy_world", "api_version"}
+        assert not uncovered, f"fw.testing.conformance does not exercise {sorted(uncovered)}"
 
     def test_collectives_on_two_cpu_processes(self) -> None:
         if "cpu" not in self.spec.capabilities.devices:
@@ -255,18 +368,21 @@ class CommConformance(PluginConformance):
         results = dict(queue.get(timeout=120) for _ in procs)
         for p in procs:
             p.join(timeout=60)
-        assert results[0]["all_reduce"] == [3.0] * 4
-        assert results[1]["all_gather"] == [0.0, 1.0]
-        assert results[0]["reduce_scatter"] == [1.0, 3.0] and results[1]["reduce_scatter"] == [5.0, 7.0]
-        assert results[0]["all_to_all"] == [0.0, 10.0, 11.0, 12.0]
-        assert results[1]["all_to_all"] == [1.0, 2.0, 13.0]
-        assert results[0]["broadcast"] == [1.0]
-        assert results[1]["recv"] == [7.0, 8.0]
-        assert results[0]["moe_ok"] and results[1]["moe_ok"]
+        r0, r1 = results[0], results[1]
+        assert r0["all_reduce"] == [[3.0] * 3] * 2
+        assert r1["all_gather"] == [[0.0, 1.0]] * 2 and r1["all_gather_0"] == [0.0, 1.0]
+        assert r0["reduce_scatter"] == [1.0, 3.0] and r1["reduce_scatter"] == [5.0, 7.0]
+        assert r0["reduce_scatter_1"] == [[1.0, 3.0], [9.0, 11.0]] and r1["reduce_scatter_1"] == [[5.0, 7.0], [13.0, 15.0]]
+        assert r0["exchange_counts"] == [1, 3] and r1["exchange_counts"] == [2, 1]
+        assert r0["all_to_all"] == [0.0, 10.0, 11.0, 12.0]
+        assert r1["all_to_all"] == [1.0, 2.0, 13.0]
+        assert r0["broadcast"] == r1["broadcast"] == [1.0] and r0["broadcast_0"] == r1["broadcast_0"] == [5.0]
+        assert r0["recv"] == [9.0, 6.0] and r1["recv"] == [7.0, 8.0]
+        assert r0["moe_ok"] and r1["moe_ok"]
 
 
 class KVConnectorConformance(PluginConformance):
-    kind = "kvconnector"
+    kind = "kv_connector"
 
     def test_both_halves_implement_the_interface(self) -> None:
         pair = self.spec.load()
@@ -316,3 +432,82 @@ class SamplerConformance(PluginConformance):
             rows = [logits[0]] + [logits[i + 1] for i in range(len(others))]
             tokens.append(sampler_impl.sample(torch.stack(rows), self._batch([seeded, *others])).token_ids[0].item())
         assert len(set(tokens)) == 1, tokens
+
+
+class HooksConformance:
+    """A hooks plugin: ``plugin`` is its ``fw.hooks`` entry-point name.
+
+    Checks that it registers, imports light, returns what each hook's contract asks for, keeps the configuration
+    valid when nothing of its own is set, and runs through an engine on a tiny model (``engine_args`` go to
+    ``LLM()``), once per engine.
+    """
+
+    plugin: ClassVar[str]
+    engine_args: ClassVar[dict[str, Any]] = {}
+
+    def _only_mine(self, hook: str) -> Callable[..., list]:
+        """Call ``hook`` on this plugin's implementation alone."""
+        pm = plugins.get_plugin_manager()
+        mine = pm.get_plugin(self.plugin)
+        return pm.subset_hook_caller(hook, remove_plugins=[p for p in pm.get_plugins() if p is not mine])
+
+    def test_listed_and_registered(self) -> None:
+        (entry,) = [d for d in plugins.discover_hooks() if d.name == self.plugin]
+        assert entry.status == "ok", entry.error
+        assert entry.distribution, "register the plugin from an installed distribution"
+        pm = plugins.get_plugin_manager()
+        assert pm.get_hookcallers(pm.get_plugin(self.plugin)), "the plugin implements no fw_* hook"
+
+    def test_imports_light(self) -> None:
+        (entry,) = [d for d in plugins.discover_hooks() if d.name == self.plugin]
+        module = entry.target.partition(":")[0]
+        code = f"import sys, {module}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == "[]", f"hooks plugins are imported whenever fw starts: keep {module} light " + (
+            out.stdout + out.stderr
+        )
+
+    def test_hooks_keep_their_contracts(self, tmp_path: Path) -> None:
+        from pydantic import BaseModel
+
+        from fw.config import CliOption, config_class, load_config
+        from fw.interfaces.base import Requirements
+
+        for sections in self._only_mine("fw_config_sections")():
+            for name, model in sections.items():
+                assert isinstance(model, type) and issubclass(model, BaseModel), f"fw_config_sections: {name}"
+                model()  # a section must validate with nothing set: installing the plugin never breaks a config
+        fields = config_class().model_fields
+        for options in self._only_mine("fw_cli_options")():
+            for option in options:
+                assert isinstance(option, CliOption), f"fw_cli_options returned {option!r}"
+                section, _, leaf = option.path.partition(".")
+                assert section in fields and leaf in fields[section].annotation.model_fields, (
+                    f"fw_cli_options: {option.flag} sets {option.path}, which is not in the configuration"
+                )
+        config = load_config().config
+        for problems in self._only_mine("fw_validate")(config=config, requirements=Requirements()):
+            assert isinstance(problems, list) and all(isinstance(p, str) for p in problems), (
+                f"fw_validate must return a list of strings, returned {problems!r}"
+            )
+        detected = self._only_mine("fw_detect_quant_format")(model_path=str(tmp_path), hf_config=None)
+        assert detected is None or isinstance(detected, str), f"fw_detect_quant_format returned {detected!r}"
+        default = self._only_mine("fw_default_model")()
+        assert default is None or Path(default).exists(), f"fw_default_model returned {default!r}, which does not exist"
+        logits_processors = self._only_mine("fw_logits_processors")
+        for processors in logits_processors(request_id="0", sampling_params=SamplingParams(), engine=None):
+            assert isinstance(processors, list) and all(map(callable, processors)), (
+                f"fw_logits_processors must return a list of callables, returned {processors!r}"
+            )
+
+    def test_runs_with_engines(self, tmp_path: Path) -> None:
+        from fw.llm import LLM
+        from fw.testing.models import make_tiny_model
+
+        model = make_tiny_model("LlamaForCausalLM", tmp_path / "llama")
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        for _ in range(2):  # two engines one after the other, as a test suite or a notebook runs them
+            llm = LLM(str(model), num_kv_blocks=32, max_model_len=128, device="cpu", **self.engine_args)
+            outputs = llm.generate(["Hello there", "The quick brown fox"], params, use_tqdm=False)
+            llm.shutdown()
+            assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]

@@ -24,6 +24,6 @@ SPEC = PluginSpec(
         "FlashInfer paged-KV attention (mixed prefill chunks and decodes, GQA, sliding window, logit soft cap); "
         "needs a CUDA GPU with compute capability >= 8.0 and the flashinfer-python package."
     ),
-    # Above the portable torch backend, so "auto" picks FlashInfer wherever it fits.
+    # Above the portable torch backend (BUILTIN_PRIORITY), so "auto" picks FlashInfer wherever it fits.
     priority=20,
 )

@@ -1,6 +1,6 @@
 from fw.interfaces import attention
 from fw.interfaces.base import frozen
-from fw.plugins import PluginSpec
+from fw.plugins import BUILTIN_PRIORITY, PluginSpec
 
 SPEC = PluginSpec(
     name="torch",
@@ -14,4 +14,5 @@ SPEC = PluginSpec(
     ),
     api_version=attention.API_VERSION,
     description="Paged prefill and decode with torch scaled_dot_product_attention; any head size and block size.",
+    priority=BUILTIN_PRIORITY,  # the portable default; a plugin installed beside it must declare more to replace it
 )

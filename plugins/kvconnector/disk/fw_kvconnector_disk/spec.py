@@ -26,7 +26,7 @@ class DiskOptions(BaseModel):
 
 SPEC = PluginSpec(
     name="disk",
-    kind="kvconnector",
+    kind="kv_connector",
     impl="fw_kvconnector_disk.connector:KV_CONNECTOR",
     capabilities=kvconnector.KVConnectorCapabilities(
         devices=frozen("cpu", "cuda"),

@@ -4,7 +4,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fw.interfaces import quant
 from fw.interfaces.base import frozen
-from fw.plugins import PluginSpec
+from fw.plugins import BUILTIN_PRIORITY, PluginSpec
 
 
 class GGUFOptions(BaseModel):
@@ -36,4 +36,5 @@ SPEC = PluginSpec(
         "whole across ranks, and a row-parallel layer's share of the input features must be whole blocks."
     ),
     options=GGUFOptions,
+    priority=BUILTIN_PRIORITY,
 )

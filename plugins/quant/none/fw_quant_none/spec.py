@@ -1,6 +1,6 @@
 from fw.interfaces import quant
 from fw.interfaces.base import frozen
-from fw.plugins import PluginSpec
+from fw.plugins import BUILTIN_PRIORITY, PluginSpec
 
 SPEC = PluginSpec(
     name="none",
@@ -10,4 +10,6 @@ SPEC = PluginSpec(
     api_version=quant.API_VERSION,
     description="Unquantized weights in the model dtype (bf16 on CPU: prepacked for oneDNN).",
     aliases=("unquantized",),
+    # The default for plain checkpoints: a plugin that also loads them replaces it only by name or a higher priority.
+    priority=BUILTIN_PRIORITY,
 )

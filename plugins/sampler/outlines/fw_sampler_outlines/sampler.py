@@ -5,20 +5,24 @@ requests without it cost nothing here):
 
 * ``add_request`` turns the constraint into a regex and validates it on the
   caller's thread, raising ``ValueError("invalid JSON schema: ...")`` /
-  ``("invalid regex: ...")`` before admission. It then compiles the regex
-  against the tokenizer's vocabulary into an outlines-core ``Index`` on a
-  background thread pool (outlines-core releases the GIL, so the engine keeps
-  stepping other requests). Compiled indexes are shared through an LRU keyed by
-  (constraint, tokenizer), so repeated schemas compile once.
+  ``("invalid regex: ...")`` / ``("constraint too large: ...")`` before
+  admission (the size bounds are options: ``max_regex_length``, ``max_repeat``).
+  It then compiles the regex against the tokenizer's vocabulary into an
+  outlines-core ``Index`` in the background, in one of ``compile_workers``
+  worker processes (fw.workers): some short regexes take minutes and gigabytes
+  ((a|b)*a(a|b){20}), and only a process can be stopped, so a compilation past
+  ``compile_timeout`` or ``compile_memory`` fails, and one whose requests were
+  all removed (aborted) is killed. Compiled indexes are shared through an LRU
+  keyed by (constraint, tokenizer), so repeated schemas compile once.
 * ``is_ready`` is False while that compilation runs; the scheduler waits.
 * A compilation that *fails* (a pattern inside a schema, or a regex feature,
-  that outlines-core rejects after the up-front checks passed) makes the request
-  ready anyway: its first ``constrain`` allows only EOS, so it finishes at once
-  with an empty output instead of failing the whole batch, and the reason is
-  logged and kept: ``error(request_id)`` returns it until ``remove_request``,
-  for the engine to attach to the request's output. Failures stay in the LRU
-  like successes (they are deterministic). The same happens if the output ever
-  leaves the constraint (a token the mask did not allow was forced in).
+  that outlines-core rejects after the up-front checks passed; a time or memory
+  limit) makes the request ready anyway, and its first ``constrain`` raises
+  ``RequestError`` naming it, so the engine fails that request alone. Failures
+  stay in the LRU like successes (they are deterministic).
+* If the output ever leaves the constraint (a token the mask did not allow was
+  forced in), the request may only end: EOS is forced, and the reason is logged
+  and kept: ``error(request_id)`` returns it until ``remove_request``.
 * ``constrain`` (the default sampler's hook, after penalties/bias, before
   temperature and truncation) advances each request's automaton by the tokens
   appended since the previous step. It remembers the tokens it consumed, so an
@@ -40,8 +44,10 @@ from weakref import WeakKeyDictionary
 import outlines_core
 import torch
 
+from fw.interfaces.sampler import RequestError
+from fw.workers import WorkerError, WorkerPool
 from fw_sampler_default.sampler import DefaultSampler
-from fw_sampler_outlines.constraints import check_regex, choice_regex, json_object_regex, schema_regex
+from fw_sampler_outlines.constraints import check_regex, check_size, choice_regex, json_object_regex, schema_regex
 from fw_sampler_outlines.spec import OutlinesOptions
 from fw_sampler_outlines.vocab import token_bytes
 
@@ -68,8 +74,15 @@ class _Compiled:
 
 
 @dataclass(eq=False)
+class _Compilation:
+    key: tuple[Any, ...]  # (constraint, tokenizer)
+    future: Future[_Compiled]
+    cancel: threading.Event  # set: kill the compilation's worker
+
+
+@dataclass(eq=False)
 class _Constraint:
-    compiled: Future[_Compiled]
+    compilation: _Compilation  # shared by the requests with the same constraint
     eos_token_id: int
     guide: outlines_core.Guide | None = None
     words: int = 0
@@ -81,8 +94,10 @@ class _Constraint:
 class OutlinesSampler(DefaultSampler):
     def __init__(self, options: BaseModel | None = None) -> None:
         super().__init__(options if options is not None else OutlinesOptions())
-        self._pool = ThreadPoolExecutor(self.options.compile_threads, thread_name_prefix="fw-outlines-compile")
-        self._compiled: OrderedDict[tuple[Any, ...], Future[_Compiled]] = OrderedDict()
+        workers = self.options.compile_workers
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="fw-outlines-compile")
+        self._workers = WorkerPool(workers, self.options.compile_memory, "fw-outlines-worker")
+        self._compiled: OrderedDict[tuple[Any, ...], _Compilation] = OrderedDict()
         self._requests: dict[str, _Constraint] = {}
         # Built on the compile threads, once per tokenizer.
         self._vocabularies: WeakKeyDictionary[Tokenizer, tuple[outlines_core.Vocabulary, int]] = WeakKeyDictionary()
@@ -96,23 +111,36 @@ class OutlinesSampler(DefaultSampler):
             return
         if tokenizer.eos_token_id is None:
             raise ValueError("structured output needs a tokenizer with an EOS token")
-        key = (constraint.key(), tokenizer)
-        future = self._compiled.get(key)
-        if future is None:
-            future = self._pool.submit(self._compile, self._regex(constraint), tokenizer)
-            self._compiled[key] = future
+        try:
+            key = (constraint.key(), tokenizer)
+        except RecursionError:  # json.dumps of a schema nested thousands deep
+            raise ValueError("unsupported JSON schema: nested too deeply") from None
+        compilation = self._compiled.get(key)
+        if compilation is None:
+            regex, cancel = self._regex(constraint), threading.Event()
+            compilation = _Compilation(key, self._pool.submit(self._compile, regex, tokenizer, cancel), cancel)
+            self._compiled[key] = compilation
             if len(self._compiled) > self.options.cache_size:
-                self._compiled.popitem(last=False)  # requests still compiling it hold their own future
+                self._compiled.popitem(last=False)  # requests still compiling it hold their own
         else:
             self._compiled.move_to_end(key)
-        self._requests[request_id] = _Constraint(future, tokenizer.eos_token_id)
+        self._requests[request_id] = _Constraint(compilation, tokenizer.eos_token_id)
 
     def is_ready(self, request_id: str) -> bool:
         constraint = self._requests.get(request_id)
-        return constraint is None or constraint.compiled.done()
+        return constraint is None or constraint.compilation.future.done()
 
     def remove_request(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+        constraint = self._requests.pop(request_id, None)
+        if constraint is None or constraint.compilation.future.done():
+            return
+        compilation = constraint.compilation
+        if all(other.compilation is not compilation for other in self._requests.values()):
+            # Nobody waits for it any more (its requests were aborted): stop it, and forget it.
+            compilation.future.cancel()
+            compilation.cancel.set()
+            if self._compiled.get(compilation.key) is compilation:
+                del self._compiled[compilation.key]
 
     def error(self, request_id: str) -> str | None:
         """Why a constrained request was ended with EOS instead of being constrained, or None."""
@@ -122,18 +150,33 @@ class OutlinesSampler(DefaultSampler):
     # --- compiling --------------------------------------------------------------
 
     def _regex(self, constraint: StructuredOutputsParams) -> str:
+        options = self.options
         if constraint.json is not None:
-            return schema_regex(constraint.json, self.options.whitespace_pattern)
-        if constraint.json_object:
-            return json_object_regex(self.options.whitespace_pattern)
-        if constraint.regex is not None:
+            regex = schema_regex(constraint.json, options.whitespace_pattern)
+        elif constraint.json_object:
+            regex = json_object_regex(options.whitespace_pattern)
+        elif constraint.regex is not None:
+            check_size(constraint.regex, options.max_regex_length, options.max_repeat)  # before parsing it again
             check_regex(constraint.regex)
-            return constraint.regex
-        return choice_regex(constraint.choice)
+            regex = constraint.regex
+        else:
+            regex = choice_regex(constraint.choice)
+        check_size(regex, options.max_regex_length, options.max_repeat)
+        return regex
 
-    def _compile(self, regex: str, tokenizer: Tokenizer) -> _Compiled:
+    def _compile(self, regex: str, tokenizer: Tokenizer, cancel: threading.Event) -> _Compiled:
         vocabulary, words = self._vocabulary(tokenizer)
-        return _Compiled(outlines_core.Index(regex, vocabulary), words)
+        options = self.options
+        try:
+            index = self._workers.call(outlines_core.Index, regex, vocabulary, timeout=options.compile_timeout,
+                                       cancel=cancel)
+        except TimeoutError:
+            raise ValueError(f"it takes longer than {options.compile_timeout:g} s to compile (the outlines sampler's "
+                             "compile_timeout)") from None
+        except (MemoryError, WorkerError):
+            raise ValueError(f"it needs more than {options.compile_memory.human_readable()} to compile (the outlines "
+                             "sampler's compile_memory)") from None
+        return _Compiled(index, words)
 
     def _vocabulary(self, tokenizer: Tokenizer) -> tuple[outlines_core.Vocabulary, int]:
         with self._vocabulary_lock:
@@ -154,10 +197,9 @@ class OutlinesSampler(DefaultSampler):
         """Bring the guide to the state after ``output``, replaying from the start if the output changed."""
         if constraint.guide is None:
             try:
-                compiled = constraint.compiled.result()  # blocks only if scheduled before is_ready
-            except Exception as e:
-                self._fail(request_id, constraint, f"the constraint failed to compile: {e}")
-                return
+                compiled = constraint.compilation.future.result()  # blocks only if scheduled before is_ready
+            except Exception as e:  # noqa: BLE001 - the request's own: constrain fails it
+                raise ValueError(f"structured output: the constraint failed to compile: {e}") from None
             constraint.guide = outlines_core.Guide(compiled.index)
             constraint.words = compiled.words
         done = len(constraint.consumed)
@@ -182,14 +224,20 @@ class OutlinesSampler(DefaultSampler):
 
     def constrain(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         rows: list[tuple[int, _Constraint]] = []
+        failed: dict[str, Exception] = {}
         for row, (request_id, params) in enumerate(zip(batch.request_ids, batch.params, strict=True)):
             constraint = self._requests.get(request_id)
             if constraint is not None:
                 if constraint.error is None:
-                    self._advance(request_id, constraint, batch.output_token_ids[row])
+                    try:
+                        self._advance(request_id, constraint, batch.output_token_ids[row])
+                    except ValueError as e:  # its constraint failed to compile
+                        failed[request_id] = e
                 rows.append((row, constraint))
             elif params.structured_outputs is not None:
                 raise RuntimeError(f"request {request_id} has structured_outputs but was never passed to add_request")
+        if failed:
+            raise RequestError(failed)
         if not rows:
             return logits
         vocab = logits.shape[-1]

@@ -1,5 +1,5 @@
 # The entry point names this module: keep it light (no torch, no outlines_core), so `fw plugins list` stays fast.
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ByteSize, Field
 
 from fw.interfaces import sampler
 from fw.interfaces.base import frozen
@@ -7,7 +7,19 @@ from fw.plugins import PluginSpec
 
 
 class OutlinesOptions(BaseModel, extra="forbid"):
-    compile_threads: int = Field(1, ge=1, description="Background threads compiling constraints into token automata.")
+    compile_workers: int = Field(
+        2, ge=1, description="Worker processes compiling constraints into token automata (in the background)."
+    )
+    compile_timeout: float = Field(
+        10.0, gt=0, description="Seconds a constraint may compile; past that its worker is killed, the request fails."
+    )
+    compile_memory: ByteSize = Field(
+        4 * 1024**3, gt=0, description="Address space of a compile worker; a constraint needing more fails."
+    )
+    max_regex_length: int = Field(32768, ge=1, description="Characters of the regex a constraint becomes, at most.")
+    max_repeat: int = Field(
+        256, ge=1, description="Largest counted repetition ({m,n}, maxLength, maxItems) in a constraint's regex."
+    )
     whitespace_pattern: str | None = Field(
         None, description="Regex for the whitespace allowed between JSON tokens (default: at most one space)."
     )

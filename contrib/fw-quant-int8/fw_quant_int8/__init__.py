@@ -1,0 +1,1 @@
+"""int8 weight-only quantization for Flywheel: an example quant plugin to copy."""

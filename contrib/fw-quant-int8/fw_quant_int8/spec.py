@@ -1,0 +1,25 @@
+# The entry point names this module: keep it light (no torch), so `fw plugins list` stays fast.
+from pydantic import BaseModel, Field
+
+from fw.interfaces import quant
+from fw.interfaces.base import frozen
+from fw.plugins import PluginSpec
+
+
+class Int8Options(BaseModel, extra="forbid"):
+    skip: list[str] = Field(
+        default_factory=list, description="Layers left unquantized, by the last part of their name (e.g. o_proj)."
+    )
+
+
+SPEC = PluginSpec(
+    name="int8",
+    kind="quant",
+    impl="fw_quant_int8.method:Int8Method",
+    # It loads plain checkpoints ("none") and quantizes them as they load. At the default priority (0) it never
+    # replaces the built-in `none` (priority 10) under --quant auto: users choose it with --quant int8.
+    capabilities=quant.QuantCapabilities(formats=frozen("none"), dtypes=frozen("float32", "bfloat16", "float16")),
+    api_version=quant.API_VERSION,
+    description="int8 weight-only: each linear weight row as int8 times one scale (4x smaller than float32).",
+    options=Int8Options,
+)

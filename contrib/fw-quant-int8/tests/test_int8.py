@@ -1,0 +1,38 @@
+import pytest
+
+from fw import LLM, SamplingParams
+from fw.testing.conformance import QuantConformance, QuantFixture, plain_checkpoint
+from fw.testing.models import make_tiny_model
+
+
+class TestInt8Conformance(QuantConformance):
+    plugin = "int8"
+    # Per-row int8 keeps a random Gaussian layer within 0.7% of its float product; the suite checks 2%.
+    fixtures = {"none": QuantFixture(plain_checkpoint, 0.02)}
+
+
+class TestInt8SkippingConformance(TestInt8Conformance):
+    options = {"skip": ["o_proj", "down_proj"]}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("int8") / "llama"))
+
+
+def test_auto_keeps_the_unquantized_default(model):
+    # Installed beside the built-ins, int8 loads plain checkpoints too, but only when asked for.
+    llm = LLM(model, num_kv_blocks=16, max_model_len=128, device="cpu")
+    assert llm.llm_engine.selected["quant"] == "none"
+    llm.shutdown()
+
+
+def test_generates_with_layers_skipped(model):
+    llm = LLM(model, quant="int8", plugin_options={"quant": {"skip": ["o_proj"]}}, num_kv_blocks=16,
+              max_model_len=128, device="cpu")
+    layers = dict(llm.llm_engine.executor.runner.model.named_modules())
+    assert hasattr(layers["model.layers.0.self_attn.qkv_proj"], "qweight")
+    assert not hasattr(layers["model.layers.0.self_attn.o_proj"], "qweight")
+    out = llm.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    llm.shutdown()

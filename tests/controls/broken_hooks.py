@@ -1,0 +1,14 @@
+"""A deliberately broken hooks plugin (see broken_plugins.py): its returns break two hooks' contracts."""
+
+from fw import hookimpl
+from fw.config import CliOption
+
+
+@hookimpl
+def fw_cli_options():
+    return [CliOption("--broken-level", "broken.level", "Sets a section that does not exist.")]
+
+
+@hookimpl
+def fw_validate(config, requirements):
+    return "a string, where a list of reasons is due"

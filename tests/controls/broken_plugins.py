@@ -1,0 +1,112 @@
+"""Deliberately broken plugins, one per kind, each with a bug its conformance suite must catch.
+
+``test_conformance_controls.py`` installs them (entry points in a throwaway site directory) and runs the suites
+of ``suites.py`` against them. Each bug is one an author could make.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fw.interfaces import attention, comm, kvconnector, quant, sampler
+from fw.interfaces.base import frozen
+from fw.plugins import PluginSpec
+from fw_comm_torch.communicator import TorchDistributed
+from fw_sampler_default.sampler import DefaultSampler
+
+
+def _spec(kind: str, module, record, impl: str, **capabilities) -> PluginSpec:
+    return PluginSpec(
+        name="broken", kind=kind, impl=f"broken_plugins:{impl}", capabilities=record(**capabilities),
+        api_version=module.API_VERSION, description="A conformance control: fails its kind's suite.",
+    )
+
+
+class FixedBlockAttention(attention.AttentionBackend):
+    """Reads the cache as if blocks always held 16 tokens: right at block size 16 only."""
+
+    def forward(self, layer, q, k, v, kv_cache, metadata):
+        kv_cache[0].view(-1, *k.shape[1:])[metadata.slot_mapping] = k
+        kv_cache[1].view(-1, *v.shape[1:])[metadata.slot_mapping] = v
+        out = torch.empty_like(q)
+        starts = metadata.query_start_loc_cpu
+        for i, seq_len in enumerate(metadata.seq_lens_cpu):
+            rows = [b * 16 + o for b in metadata.block_tables[i].tolist() for o in range(16)][:seq_len]  # the bug
+            keys, values = kv_cache[0].view(-1, *k.shape[1:])[rows], kv_cache[1].view(-1, *v.shape[1:])[rows]
+            group = layer.num_heads // layer.num_kv_heads
+            query = q[starts[i] : starts[i + 1]].transpose(0, 1)
+            out[starts[i] : starts[i + 1]] = F.scaled_dot_product_attention(
+                query, keys.repeat_interleave(group, 1).transpose(0, 1), values.repeat_interleave(group, 1).transpose(0, 1),
+                attn_mask=torch.ones(len(query[0]), seq_len, dtype=torch.bool).tril(seq_len - len(query[0])),
+                scale=layer.scale,
+            ).transpose(0, 1)
+        return out
+
+
+class ForgetfulInt8Linear(quant.LinearMethod):
+    """int8 per-row weights whose product forgets to multiply the scales back in."""
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        weight = torch.nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
+        weight.output_dim, weight.input_dim = 0, 1
+        layer.register_parameter("weight", weight)
+
+    def process_weights_after_loading(self, layer):
+        scale = layer.weight.abs().amax(dim=1, keepdim=True) / 127
+        layer.qweight = (layer.weight / scale).round().to(torch.int8)
+        layer.scale = scale
+
+    def apply(self, layer, x, bias=None):
+        return F.linear(x, layer.qweight.to(x.dtype), bias)  # the bug: no "* layer.scale.T"
+
+
+class ForgetfulInt8(quant.QuantMethod):
+    def get_linear_method(self, prefix):
+        return ForgetfulInt8Linear()
+
+
+class ReversedGather(TorchDistributed):
+    """Concatenates the ranks' tensors in reverse order."""
+
+    def all_gather(self, t, dim=-1):
+        return torch.cat(list(reversed(super().all_gather(t, dim).chunk(self.world_size, dim))), dim)
+
+
+class PartialBlocksScheduler(kvconnector.KVConnectorScheduler):
+    """Offers every remaining prompt token, though only whole blocks can be loaded."""
+
+    def get_num_new_matched_tokens(self, request_id, token_ids, num_computed_tokens):
+        return len(token_ids) - num_computed_tokens - 1
+
+    def update_state_after_alloc(self, request_id, block_ids, num_external_tokens):
+        pass
+
+    def build_connector_meta(self):
+        return None
+
+
+class NoopWorker(kvconnector.KVConnectorWorker):
+    def start_load_kv(self, meta):
+        pass
+
+    def save_kv_layer(self, layer_idx, kv_cache, meta):
+        pass
+
+
+class GreedyIgnoringSampler(DefaultSampler):
+    """Samples every row at temperature 1, the greedy ones (temperature 0) included."""
+
+    def sample(self, logits, batch):
+        gen = torch.Generator().manual_seed(0)
+        return sampler.SamplerOutput(torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(1))
+
+
+KV_CONNECTOR_IMPL = kvconnector.KVConnector(PartialBlocksScheduler, NoopWorker)
+
+ATTENTION = _spec("attention", attention, attention.AttentionCapabilities, "FixedBlockAttention",
+                  devices=frozen("cpu"), dtypes=frozen("float32"))
+QUANT = _spec("quant", quant, quant.QuantCapabilities, "ForgetfulInt8", dtypes=frozen("float32"))
+COMM = _spec("comm", comm, comm.CommCapabilities, "ReversedGather", devices=frozen("cpu"))
+KV_CONNECTOR = _spec("kv_connector", kvconnector, kvconnector.KVConnectorCapabilities, "KV_CONNECTOR_IMPL")
+SAMPLER = _spec("sampler", sampler, sampler.SamplerCapabilities, "GreedyIgnoringSampler")

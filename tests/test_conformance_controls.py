@@ -1,0 +1,39 @@
+"""Each conformance suite fails a deliberately broken plugin of its kind (controls/), on the tests meant to catch it."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from conftest import REPO, make_site
+
+CONTROLS = REPO / "tests" / "controls"
+KINDS = ("attention", "quant", "comm", "kv_connector", "sampler")
+# Suite class -> the tests its broken plugin must fail; every other test of the class must pass (or skip).
+MUST_FAIL = {
+    "TestAttention": {"test_paged_attention_matches_dense"},
+    "TestQuant": {"test_linear_layers_match_the_float_weights"},
+    "TestComm": {"test_collectives_on_two_cpu_processes"},
+    "TestKVConnector": {"test_both_halves_implement_the_interface"},
+    "TestSampler": {"test_greedy_rows_take_the_argmax"},
+    "TestHooks": {"test_hooks_keep_their_contracts", "test_runs_with_engines"},
+}
+
+
+def test_every_suite_fails_its_broken_plugin(tmp_path):
+    entry_points = {f"fw.{kind}": {"broken": f"broken_plugins:{kind.upper()}"} for kind in KINDS}
+    site = make_site(tmp_path / "site", "fw-broken-controls", {**entry_points, "fw.hooks": {"broken": "broken_hooks"}}, {})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), str(CONTROLS), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", str(CONTROLS / "suites.py")],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
+    )
+    outcomes: dict[str, dict[str, str]] = {}
+    for outcome, cls, test in re.findall(r"^(PASSED|FAILED|SKIPPED|ERROR) \S*suites\.py::(\w+)::(\w+)", run.stdout, re.M):
+        outcomes.setdefault(cls, {})[test] = outcome
+    assert set(outcomes) == set(MUST_FAIL), run.stdout[-3000:] + run.stderr[-3000:]
+    for cls, must_fail in MUST_FAIL.items():
+        failed = {test for test, outcome in outcomes[cls].items() if outcome in ("FAILED", "ERROR")}
+        assert failed == must_fail, f"{cls}: failed {sorted(failed)}, expected {sorted(must_fail)}\n{run.stdout[-3000:]}"
