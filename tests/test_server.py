@@ -192,22 +192,32 @@ def test_an_empty_api_key_is_an_error(fw_cli, tmp_path):
         assert result.returncode == 2 and "empty" in result.stderr, (args, env, result.stderr)
 
 
-def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny):
-    with fw_serve("--model", tiny, "--served-model-name", "tiny", "--num-kv-blocks", "64", "--max-model-len", "128") as (base, proc):
-
-        async def one():
-            async with httpx.AsyncClient(timeout=120) as client:
-                return await stream_chat(client, base, chat_body("hi", max_tokens=40, ignore_eos=True, stream=True,
-                                                                 stream_options={"include_usage": True}))
+def test_sigterm_drains_answering_503_then_exits_0(tiny):
+    """After SIGTERM the in-flight stream finishes; meanwhile new requests get 503 with Retry-After and /health
+    turns 503, so a load balancer moves on; then the process exits 0."""
+    with fw_serve("--model", tiny, "--served-model-name", "tiny", "--num-kv-blocks", "128",
+                  "--max-model-len", "1024") as (base, proc):
 
         async def scenario():
-            task = asyncio.create_task(one())
-            await asyncio.sleep(0.5)
-            proc.send_signal(signal.SIGTERM)
-            return await task
+            async with httpx.AsyncClient(timeout=120) as client:
+                body = chat_body("hi", max_tokens=1000, ignore_eos=True, stream=True,
+                                 stream_options={"include_usage": True})
+                task = asyncio.create_task(stream_chat(client, base, body))
+                while (await asyncio.to_thread(metric_values, base)).get("fw:num_requests_running") != 1:
+                    await asyncio.sleep(0.05)
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)  # uvicorn notices the signal within 0.1 s
+                turned_away = await client.post(f"{base}/v1/chat/completions", json=chat_body("late", max_tokens=2))
+                health = await client.get(f"{base}/health")
+                still_running = not task.done()
+                return await task, turned_away, health, still_running
 
-        text, usage = asyncio.run(scenario())
-        assert usage["completion_tokens"] == 40
+        (text, usage), turned_away, health, still_running = asyncio.run(scenario())
+        assert still_running, "the stream ended before the late request could test draining"
+        assert turned_away.status_code == 503 and turned_away.headers["retry-after"] == "1"
+        assert turned_away.json()["error"]["type"] == "ServiceUnavailableError"
+        assert health.status_code == 503
+        assert usage["completion_tokens"] == 1000
         assert proc.wait(timeout=60) == 0
 
 

@@ -130,6 +130,8 @@ REPRODUCTIONS = [
     ("text part of null", "/v1/chat/completions", chat([{"type": "text", "text": None}]), "needs a string"),
     ("chat_template_kwargs messages", "/v1/chat/completions", chat(chat_template_kwargs={"messages": []}),
      "chat_template_kwargs"),
+    ("chat_template_kwargs tokenizer", "/v1/chat/completions", chat(chat_template_kwargs={"tokenizer": 1}),
+     "tokenizer cannot be set"),
     ("lone surrogate", "/v1/chat/completions", b'{"messages":[{"role":"user","content":"a\\ud800b"}],"max_tokens":2}',
      "lone surrogate"),
     ("lone surrogate in a prompt list", "/v1/completions", b'{"prompt":["ok","\\udfff"]}', "lone surrogate"),
@@ -176,11 +178,15 @@ def test_chat_max_tokens_defaults_to_the_cap(hostile):
     assert resp.json()["usage"]["completion_tokens"] == 24  # --max-tokens-default, not the 100-odd tokens left
 
 
-def test_chat_template_kwargs_are_template_variables(hostile):
-    """Any name but messages (refused above) is the template's to use: {"tokenizer": 1} was a 500."""
+def test_chat_template_kwargs_are_template_variables_but_not_reserved_names(hostile):
+    """{"tokenizer": 1} was a 500: reserved names are a 400 naming them, any other name is the template's."""
     base, _ = hostile
-    body = chat(chat_template="{{ tokenizer }} {{ enable_thinking }}",
-                chat_template_kwargs={"tokenizer": 1, "enable_thinking": False})
+    for reserved in ("tokenizer", "conversation", "tools"):
+        resp = post(base, "/v1/chat/completions", chat(chat_template_kwargs={reserved: 1}))
+        assert resp.status_code == 400 and reserved in resp.json()["error"]["message"], resp.text
+        assert resp.json()["error"]["param"] == "chat_template_kwargs"
+    body = chat(chat_template="{{ tokenizer_name }} {{ enable_thinking }}",
+                chat_template_kwargs={"tokenizer_name": 1, "enable_thinking": False})
     tokens = post(base, "/tokenize", body).json()["tokens"]
     assert post(base, "/detokenize", {"tokens": tokens}).json()["prompt"] == "1 False"
     assert post(base, "/v1/chat/completions", body).status_code == 200

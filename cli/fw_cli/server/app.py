@@ -58,6 +58,9 @@ CHARS_PER_TOKEN = 64
 # time and memory.
 RENDER_TIMEOUT_S = 2.0
 RENDER_MEMORY = 1024**3
+# The rendering's own inputs and HF apply_chat_template's parameters: never a request's template variable
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "conversation", "tokenizer", "chat_template", "tools",
+                                         "documents", "tokenize"})
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -214,9 +217,10 @@ class Server:
         if not template:
             raise APIError(400, "the model has no chat template; start the server with --chat-template", param=param)
         kwargs = dict(body.chat_template_kwargs or {})  # they may set the two flags, as in vLLM
-        if "messages" in kwargs:
-            raise APIError(400, "chat_template_kwargs: messages come from the request's messages",
-                           param="chat_template_kwargs")
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES & kwargs.keys())
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs: {', '.join(reserved)} cannot be set by a request (reserved: "
+                           f"{', '.join(sorted(RESERVED_TEMPLATE_VARIABLES))})", param="chat_template_kwargs")
         continue_final = bool(kwargs.pop("continue_final_message", body.continue_final_message))
         add_generation = kwargs.pop("add_generation_prompt", not continue_final if body.add_generation_prompt is None
                                     else body.add_generation_prompt)
@@ -559,7 +563,7 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(status_code=503 if server.draining else 200)  # a load balancer stops routing here
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -628,15 +632,26 @@ class _Guard:
 
 
 class _GracefulServer(uvicorn.Server):
-    """SIGTERM/SIGINT: stop accepting, let in-flight requests finish, then exit 0 (uvicorn re-raises the signal)."""
+    """SIGTERM/SIGINT: drain, then exit 0 (uvicorn re-raises the signal). While requests are still generating
+    the server keeps listening, answering new ones 503 with Retry-After (and /health 503) so that clients and
+    load balancers move on rather than meet a refused connection; then uvicorn closes the listener."""
 
     def __init__(self, config: uvicorn.Config, server: Server) -> None:
         super().__init__(config)
         self.fw_server = server
+        self.drain_deadline = 0.0
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.fw_server.draining:
+            self.drain_deadline = time.monotonic() + (self.config.timeout_graceful_shutdown or 0)
         self.fw_server.draining = True
         super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        should_exit = await super().on_tick(counter)
+        if should_exit and not self.force_exit and time.monotonic() < self.drain_deadline:
+            return not self.fw_server.engine.engine.has_unfinished_requests()
+        return should_exit
 
     @contextlib.contextmanager
     def capture_signals(self):
