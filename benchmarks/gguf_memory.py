@@ -51,7 +51,7 @@ def measure(dequantize: bool) -> dict:
     linear = [m for m in model.modules() if hasattr(m, "linear_method")]
     stored = {id(m.weight) for m in linear} | {id(b) for n, b in model.named_buffers() if n.endswith("packed_weight")}
     weights = sum(t.numel() for t in tensors if t.is_floating_point() and id(t) not in stored)
-    weights += sum(sum(m.output_partition_sizes) * m.input_size for m in linear)
+    weights += sum(sum(m.spec.output_sizes) * m.spec.input_size for m in linear)
     return {
         "mode": "dequantize=True" if dequantize else "packed (default)",
         "dtype": str(llm.llm_engine.executor.runner.dtype).removeprefix("torch."),

@@ -19,6 +19,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fw.testing.models import make_tiny_model
 
+# Kernel choices (fw.kernels) are measured afresh for this run, in every process it starts, not read from or
+# written to the user's cache.
+os.environ["FW_KERNEL_CACHE"] = str(Path(tempfile.mkdtemp(prefix="fw-kernels-")) / "kernels.json")
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -1,4 +1,5 @@
-"""The CPU fast paths against their references: the native paged decode kernel, oneDNN-packed weights."""
+"""The CPU fast paths against their references: the native paged decode kernel and layer kernels, and a bf16
+model end to end on the kernels chosen for this CPU (each candidate alone: tests/test_kernels.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from fw import kv_quant
 from fw.interfaces.attention import AttentionBatch, AttentionLayerSpec
 from fw.layers import dense
 from fw.testing.conformance import dense_attention
@@ -32,7 +33,9 @@ class _Reference(TorchAttention):
         return False
 
 
-def _decode_step(backend, dtype, heads, kv_heads, head_size, window, seq_lens, block=16):
+def _decode_step(
+    backend, dtype, heads, kv_heads, head_size, window, seq_lens, block=16, kv_cache_dtype="auto", scales=(1.0, 1.0)
+):
     gen = torch.Generator().manual_seed(len(seq_lens) * head_size + heads)
     num_blocks = sum(-(-n // block) for n in seq_lens) + 3
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -41,11 +44,15 @@ def _decode_step(backend, dtype, heads, kv_heads, head_size, window, seq_lens, b
         count = -(-n // block)
         tables.append(perm[used : used + count])
         used += count
-    cache = torch.randn(2, num_blocks, block, kv_heads, head_size, generator=gen).to(dtype)
+    layer = AttentionLayerSpec(heads, kv_heads, head_size, head_size**-0.5, window, k_scale=scales[0], v_scale=scales[1])
+    spec = backend.kv_cache_spec(layer, block, dtype, kv_cache_dtype)
+    cache = torch.empty(spec.shape(num_blocks), dtype=spec.dtype)
+    every_slot = torch.arange(num_blocks * block)
+    for part, scale in zip(cache, scales, strict=True):
+        kv_quant.write(part, every_slot, torch.randn(len(every_slot), kv_heads, head_size, generator=gen).to(dtype), scale)
     q = torch.randn(len(seq_lens), heads, head_size, generator=gen).to(dtype)
     k = torch.randn(len(seq_lens), kv_heads, head_size, generator=gen).to(dtype)
     v = torch.randn(len(seq_lens), kv_heads, head_size, generator=gen).to(dtype)
-    layer = AttentionLayerSpec(heads, kv_heads, head_size, head_size**-0.5, window)
     batch = AttentionBatch.build(tables, [n - 1 for n in seq_lens], [1] * len(seq_lens), block)
     out = backend.forward(layer, q, k, v, cache, backend.prepare(batch))
     return out, cache, q, tables
@@ -66,38 +73,30 @@ def test_native_paged_decode_matches_dense_attention(native_backend, dtype, head
         torch.testing.assert_close(out[i : i + 1].float(), expected, atol=tol, rtol=tol * 5)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 5])
+def test_native_paged_decode_reads_quantized_caches(native_backend, kv_cache_dtype, dtype, window):
+    """The kernel dequantizes rows as fw.kv_quant does: it matches dense attention over what the cache holds."""
+    seq_lens = [1, 7, 16, 33, 70]
+    scales = (0.5, 2.0) if kv_cache_dtype == "fp8" else (1.0, 1.0)  # per-layer scales: fp8 only
+    args = (dtype, 6, 2, 64, window, seq_lens)
+    out, cache, q, tables = _decode_step(native_backend, *args, kv_cache_dtype=kv_cache_dtype, scales=scales)
+    reference, *_ = _decode_step(_Reference(), *args, kv_cache_dtype=kv_cache_dtype, scales=scales)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), reference.float(), atol=tol, rtol=tol * 5)
+    for i, n in enumerate(seq_lens):
+        slots = torch.tensor([tables[i][p // 16] * 16 + p % 16 for p in range(n)])
+        keys, values = (kv_quant.read(part, slots, torch.float32, s) for part, s in zip(cache, scales, strict=True))
+        expected = dense_attention(q[i : i + 1].float(), keys, values, torch.tensor([n - 1]), window)
+        torch.testing.assert_close(out[i : i + 1].float(), expected, atol=tol, rtol=tol * 5)
+
+
 def test_native_and_torch_paths_agree_on_a_batch(native_backend):
     seq_lens = [3, 40, 129, 17]
     native, *_ = _decode_step(native_backend, torch.bfloat16, 14, 2, 64, None, seq_lens)
     reference, *_ = _decode_step(_Reference(), torch.bfloat16, 14, 2, 64, None, seq_lens)
     torch.testing.assert_close(native.float(), reference.float(), atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.skipif(not dense.can_pack(torch.empty(16, 2, dtype=torch.bfloat16)), reason="no bf16 kernel on this CPU")
-@pytest.mark.parametrize("layout", ["fw", "onednn"])
-@pytest.mark.parametrize("shape", [(1, 64), (5, 64), (2, 3, 64), (0, 64), (37, 64)])
-@pytest.mark.parametrize("out_features", [96, 100])
-def test_packed_weight_matches_f_linear(monkeypatch, layout, shape, out_features):
-    if layout == "onednn":
-        monkeypatch.setattr(dense, "_native", lambda weight: False)
-    elif not dense._native(torch.empty(16, 2, dtype=torch.bfloat16)):
-        pytest.skip("fw's kernel needs AVX512-BF16 and a compiler")
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(out_features, 64, generator=gen).bfloat16()
-    bias = torch.randn(out_features, generator=gen).bfloat16()
-    x = torch.randn(shape, generator=gen).bfloat16()
-    packed = dense.pack(weight)
-    # fw's layout needs whole 16-column blocks; other shapes take oneDNN's.
-    assert (packed.dim() == 4) == (layout == "fw" and out_features % 16 == 0)
-    assert packed.is_mkldnn == (packed.dim() == 2)
-    torch.testing.assert_close(dense.linear(x, packed, bias), F.linear(x, weight, bias), atol=3e-2, rtol=1e-2)
-    strided = torch.randn(*shape[:-1], 128, generator=gen).bfloat16()[..., ::2]  # not contiguous
-    torch.testing.assert_close(dense.linear(strided, packed), F.linear(strided, weight), atol=3e-2, rtol=1e-2)
-
-
-def test_float32_weights_stay_on_the_reference_path():
-    weight = torch.randn(8, 4)
-    assert dense.pack(weight) is weight
 
 
 def test_bf16_engine_fast_paths_match_the_reference_paths(tmp_path, monkeypatch):
@@ -114,21 +113,17 @@ def test_bf16_engine_fast_paths_match_the_reference_paths(tmp_path, monkeypatch)
     def run():
         llm = LLM(path, num_kv_blocks=64)
         model = llm.llm_engine.executor.runner.model
-        packed = {name for name, t in model.named_buffers() if t.is_mkldnn or t.dim() == 4}
-        outs = llm.generate(prompts, params)
-        head = getattr(model.lm_head, "packed_weight", model.lm_head.weight)
-        return packed, head.dim() == 4, outs
+        chosen = {name: t.kernel.names for name, t in model.named_buffers() if hasattr(t, "kernel")}
+        chosen.update({name: t.kernel.names for name, t in model.named_parameters() if hasattr(t, "kernel")})
+        return chosen, llm.generate(prompts, params)
 
-    packed, head_packed, fast = run()
-    if dense.can_pack(torch.empty(16, 2, dtype=torch.bfloat16)):
-        assert any(name.endswith("qkv_proj.weight") for name in packed)
-    assert head_packed == dense._native(torch.empty(16, 2, dtype=torch.bfloat16))
-    monkeypatch.setattr(dense, "can_pack", lambda weight: False)
-    monkeypatch.setattr(dense, "pack_logits", lambda weight: weight.float())  # the torch path's float32 head
+    chosen, fast = run()
+    assert any(name.endswith("qkv_proj.weight") for name in chosen)  # every bf16 layer had its kernels chosen
+    monkeypatch.setenv("FW_KERNELS", "torch")  # the reference candidate of every operation
     monkeypatch.setattr(backend.TorchAttention, "native_decode", lambda self, device: False)
     monkeypatch.setattr(native_ops, "usable", lambda x: False)
-    packed, head_packed, reference = run()
-    assert not packed and not head_packed
+    chosen, reference = run()
+    assert {names for names in chosen.values()} == {("torch",) * len(dense.LINEAR.rows)}
     for a, b in zip(fast, reference, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         lp_a = [d[t].logprob for d, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids, strict=True)]

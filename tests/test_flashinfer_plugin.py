@@ -3,7 +3,6 @@
 import importlib.util
 import subprocess
 import sys
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -42,7 +41,10 @@ def test_capabilities_reject_what_flashinfer_cannot_run():
     assert any("dtype float32" in p for p in odd)
     assert any("head size 96" in p for p in odd)
     assert any("KV-cache dtype fp8_e4m3" in p for p in odd)
-    fits = Requirements(device="cuda", compute_capability=(9, 0), dtype="bfloat16", head_size=128, sliding_window=True)
+    fits = Requirements(
+        device="cuda", compute_capability=(9, 0), dtype="bfloat16", head_size=128, kv_cache_dtype="fp8",
+        attention_features=frozenset({"sliding_window", "soft_cap"}),
+    )
     # On a machine without flashinfer the only problem left is the missing package.
     expected = (
         []
@@ -130,7 +132,7 @@ def test_prepare_builds_flashinfer_page_tables_and_plans_once_per_layer_shape(mo
 
     full = AttentionLayerSpec(num_heads=8, num_kv_heads=2, head_size=64, scale=0.125)
     windowed = AttentionLayerSpec(num_heads=8, num_kv_heads=2, head_size=64, scale=0.125, sliding_window=24)
-    caches = [torch.zeros(attn.kv_cache_shape(32, 16, 2, 64)) for _ in range(3)]
+    caches = [torch.zeros(attn.kv_cache_spec(full, 16, torch.float32).shape(32)) for _ in range(3)]
     q, k, v = torch.randn(52, 8, 64), torch.randn(52, 2, 64), torch.randn(52, 2, 64)
     for _ in range(2):
         meta = attn.prepare(batch)
@@ -149,11 +151,6 @@ def test_prepare_builds_flashinfer_page_tables_and_plans_once_per_layer_shape(mo
 
 
 # ------------------------------------------------------------------ GPU: against dense attention
-
-
-@dataclass(frozen=True)
-class SoftCappedLayer(AttentionLayerSpec):
-    logits_soft_cap: float | None = None
 
 
 def dense_attention(q, keys, values, scale, context, window, soft_cap):
@@ -175,8 +172,10 @@ def dense_attention(q, keys, values, scale, context, window, soft_cap):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not GPU_READY, reason="needs a CUDA GPU and flashinfer")
-@pytest.mark.parametrize(("window", "soft_cap"), [(None, None), (24, 30.0)])
-def test_matches_dense_causal_attention_on_gpu(window, soft_cap):
+@pytest.mark.parametrize(
+    ("window", "soft_cap", "kv_cache_dtype"), [(None, None, "auto"), (24, 30.0, "auto"), (24, None, "fp8")]
+)
+def test_matches_dense_causal_attention_on_gpu(window, soft_cap, kv_cache_dtype):
     device, dtype, block_size, num_blocks = "cuda", torch.bfloat16, 16, 64
     heads, kv_heads, head_size = 8, 2, 128  # GQA, 4 query heads per KV head
     gen = torch.Generator().manual_seed(1)
@@ -184,20 +183,21 @@ def test_matches_dense_causal_attention_on_gpu(window, soft_cap):
     # with nothing new this step, decodes ending mid-page, on a page boundary and just past one.
     requests = [(0, 37), (20, 13), (32, 16), (7, 50), (9, 0), (45, 1), (31, 1), (16, 1)]
     batch = make_batch(requests, block_size, num_blocks, device, gen)
-    layer = SoftCappedLayer(
+    layer = AttentionLayerSpec(
         heads, kv_heads, head_size, scale=head_size**-0.5, sliding_window=window, logits_soft_cap=soft_cap
     )
 
     attn = backend.FlashInferAttention()
+    spec = attn.kv_cache_spec(layer, block_size, dtype, kv_cache_dtype)
     # Random garbage in every slot: the kernel must read only the request's own pages and positions.
-    kv_cache = torch.randn(attn.kv_cache_shape(num_blocks, block_size, kv_heads, head_size), generator=gen)
-    kv_cache = kv_cache.to(device, dtype)
+    kv_cache = torch.randn(spec.shape(num_blocks), generator=gen).to(device, spec.dtype)
     tables = batch.block_tables.tolist()
     qs, ks, vs, expected = [], [], [], []
     for table, (context, new) in zip(tables, requests, strict=True):
         seq = context + new
-        keys = torch.randn(seq, kv_heads, head_size, generator=gen).to(device, dtype)
-        values = torch.randn(seq, kv_heads, head_size, generator=gen).to(device, dtype)
+        # Values an fp8 cache holds exactly (scale 1), so that the reference sees what the kernel reads.
+        keys = torch.randn(seq, kv_heads, head_size, generator=gen).to(device, spec.dtype).to(dtype)
+        values = torch.randn(seq, kv_heads, head_size, generator=gen).to(device, spec.dtype).to(dtype)
         q = torch.randn(new, heads, head_size, generator=gen).to(device, dtype)
         for pos in range(context):  # the cached context, as earlier steps would have left it
             block, offset = table[pos // block_size], pos % block_size
@@ -217,5 +217,5 @@ def test_matches_dense_causal_attention_on_gpu(window, soft_cap):
     # O(1) outputs differ by up to ~1e-2. 2e-2 absolute + relative leaves margin without hiding bugs
     # (a wrong mask, page or scale moves outputs by O(0.1..1)).
     torch.testing.assert_close(out.float(), torch.cat(expected), atol=2e-2, rtol=2e-2)
-    assert torch.equal(kv_cache[0].view(-1, kv_heads, head_size)[batch.slot_mapping], torch.cat(ks))
-    assert torch.equal(kv_cache[1].view(-1, kv_heads, head_size)[batch.slot_mapping], torch.cat(vs))
+    assert torch.equal(kv_cache[0].view(-1, kv_heads, head_size)[batch.slot_mapping].to(dtype), torch.cat(ks))
+    assert torch.equal(kv_cache[1].view(-1, kv_heads, head_size)[batch.slot_mapping].to(dtype), torch.cat(vs))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -28,7 +29,7 @@ from fw.models.base import HFConfig, ModelContext
 from fw.testing.conformance import HooksConformance, QuantConformance, QuantFixture
 from fw.testing.models import CHATML_TEMPLATE, make_tiny_model
 from fw_attention_torch.backend import TorchAttention
-from fw_quant_gguf.checkpoint import open_reader
+from fw_quant_gguf.checkpoint import iter_tensors, open_reader
 from fw_quant_gguf.dequant import SUPPORTED_TYPES, dequantize
 from fw_quant_gguf.method import GGUFMethod
 from fw_quant_gguf.spec import GGUFOptions
@@ -179,10 +180,8 @@ def prefill_logits(model: torch.nn.Module, ids: list[int], dtype: torch.dtype = 
     """Logits at every position of ``ids``, run as one prefill through the paged torch attention."""
     backend, block = TorchAttention(), 16
     blocks = list(range(1, -(-len(ids) // block) + 1))
-    caches = [
-        torch.zeros(backend.kv_cache_shape(len(blocks) + 1, block, s.num_kv_heads, s.head_size), dtype=dtype)
-        for s in model.attention_specs()
-    ]
+    caches = [torch.zeros(backend.kv_cache_spec(s, block, dtype).shape(len(blocks) + 1), dtype=dtype)
+              for s in model.attention_specs()]
     batch = AttentionBatch.build([blocks], [0], [len(ids)], block)
     with torch.no_grad(), set_forward_context(backend.prepare(batch), caches):
         return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids))))
@@ -197,10 +196,17 @@ def conformance_gguf(plain: Path, out: Path) -> Path:
     return write_gguf(plain, out / "model.gguf", Q.Q8_0, {"v_proj": Q.BF16, "down_proj": Q.F16})
 
 
+def dequantized_gguf(path: Path, _options) -> Iterator[tuple[str, torch.Tensor]]:
+    """The plugin's own reading of a GGUF in float32: its tensors, linear weights through its block decoder."""
+    types = GGUFMethod().checkpoint_config(str(path))["quantization_config"]["tensor_types"]
+    for name, tensor in iter_tensors(str(path)):
+        yield name, dequantize(tensor, Q[types[name]], torch.float32) if name in types else tensor
+
+
 class TestGGUFConformance(QuantConformance):
     plugin = "gguf"
     # Q8_0 keeps a random Gaussian layer within 0.6% of its float product (measured); 4-bit types reach 9%.
-    fixtures = {"gguf": QuantFixture(conformance_gguf, 0.01)}
+    fixtures = {"gguf": QuantFixture(conformance_gguf, dequantized_gguf, 0.01)}
 
 
 class TestGGUFHooksConformance(HooksConformance):
@@ -397,7 +403,7 @@ def test_smollm2_linear_weights_stay_packed(smollm2):
     packed = [m.weight for m in model.modules() if hasattr(m, "linear_method")]
     assert packed and all(w.dtype == torch.uint8 for w in packed)
     # Q4_1: 20 bytes per 32 weights, against 4 bytes per weight in fp32.
-    logical = sum(sum(m.output_partition_sizes) * m.input_size for m in model.modules() if hasattr(m, "linear_method"))
+    logical = sum(sum(m.spec.output_sizes) * m.spec.input_size for m in model.modules() if hasattr(m, "linear_method"))
     assert sum(w.numel() for w in packed) == logical * 20 // 32
 
 

@@ -37,23 +37,23 @@ def _check(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 7, 33])
-def test_lm_head_product_is_float32_on_every_path(rows, monkeypatch):
+def test_lm_head_product_is_float32_on_every_path(rows, monkeypatch, tmp_path):
     x, w, ref = _case(rows)
-    head = dense.pack_logits(w)
-    if native.load("fw_dense", dense._SOURCE):  # the default path: fw's layout, or fw's portable kernel
-        assert head.dim() == 4 or head is w
-    _check(dense.logits(x, head), ref)
-    _check(dense.logits(x.float(), w.float()), ref)  # a float32 model
-    with monkeypatch.context() as m:  # no native kernels: a float32 copy of the head
-        m.setattr(dense, "_native", lambda weight: False)
-        m.setattr(native, "load", lambda name, source: False)
+    monkeypatch.setenv("FW_KERNEL_CACHE", str(tmp_path / "kernels.json"))
+    tried = []
+    for candidate in dense.LOGITS.supported(dense._key(w)):  # each one forced, as FW_KERNELS does
+        monkeypatch.setenv("FW_KERNELS", f"dense.logits={candidate.name}")
         head = dense.pack_logits(w)
-        assert head.dtype == torch.float32
+        assert head.kernel.names == (candidate.name,) * len(dense.LOGITS.rows)
         _check(dense.logits(x, head), ref)
+        tried.append(candidate.name)
+    assert {"torch", "torch-fp32"} <= set(tried)
+    if native.load("fw_dense", dense._SOURCE):
+        assert "fw-portable" in tried
+    _check(dense.logits(x.float(), w.float()), ref)  # a float32 model
     with monkeypatch.context() as m:  # off the CPU: the bf16 weight widened a chunk at a time
-        m.setattr(dense, "_cpu_bf16", lambda weight: False)
-        m.setattr(dense, "_LOGIT_CHUNK_WEIGHTS", 1000 * 576)
-        _check(dense.logits(x, w), ref)
+        m.setattr(dense, "_CHUNK_WEIGHTS", 1000 * 576)
+        _check(dense.logits(x, w.clone()), ref)
 
 
 def test_greedy_breaks_a_near_tie_by_the_float32_logits(tmp_path):

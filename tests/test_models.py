@@ -62,14 +62,8 @@ class PagedRunner:
         self.backend = TorchAttention()
         self.block_size = block_size
         # NaN-filled, so that attending to any slot never written turns the logits into NaN.
-        self.caches = [
-            torch.full(
-                self.backend.kv_cache_shape(num_blocks, block_size, s.num_kv_heads, s.head_size),
-                float("nan"),
-                dtype=dtype,
-            )
-            for s in model.attention_specs()
-        ]
+        specs = [self.backend.kv_cache_spec(s, block_size, dtype) for s in model.attention_specs()]
+        self.caches = [torch.full(spec.shape(num_blocks), float("nan"), dtype=spec.dtype) for spec in specs]
         # Block 0 only pads block tables; the others are handed out in shuffled order.
         self.free = list(range(1, num_blocks))
         random.Random(0).shuffle(self.free)
@@ -289,7 +283,7 @@ def test_missing_shard_is_named(checkpoint, tmp_path):
         ("model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"),
         # One part of a fused parameter leaves the whole parameter unloaded.
         ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.qkv_proj.weight"),
-        ("model.layers.2.mlp.experts.3.down_proj.weight", "model.layers.2.mlp.experts.w2"),
+        ("model.layers.2.mlp.experts.3.down_proj.weight", "model.layers.2.mlp.experts.w2_weight"),
     ],
 )
 def test_missing_parameter_is_named(checkpoint, dropped, missing):

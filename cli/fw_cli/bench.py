@@ -41,12 +41,29 @@ def _median_spread(name: str, values: list[float]) -> dict[str, float]:
     return {f"{name}_median": statistics.median(values), f"{name}_spread": max(values) - min(values)}
 
 
-def _report(result: dict, as_json: bool) -> None:
+def _machine() -> dict:
+    """The CPU the numbers belong to and the kernels fw chose on it (``fw.kernels``)."""
+    from fw import kernels
+
+    info = kernels.machine()
+    return {"cpu": info["cpu"], "cpu_flags": kernels.relevant_flags(info["flags"]), "threads": info["threads"],
+            "kernels": kernels.chosen()}
+
+
+def _report(result: dict, as_json: bool, engine_here: bool = True) -> None:
+    if engine_here:
+        result = {**result, **_machine()}
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
     for key, value in result.items():
-        click.echo(f"{key:<28} {value:.4g}" if isinstance(value, float) else f"{key:<28} {value}")
+        if key == "kernels":
+            click.echo("kernels (rows: candidate)")
+            for op, shapes in value.items():
+                for shape, choice in shapes.items():
+                    click.echo(f"  {op} {shape}: " + ", ".join(f"{rows} {name}" for rows, name in choice.items()))
+        else:
+            click.echo(f"{key:<28} {value:.4g}" if isinstance(value, float) else f"{key:<28} {value}")
 
 
 @bench.command("throughput")
@@ -264,4 +281,4 @@ def serve_bench(base_url, model_name, num_prompts, input_len, vocab_size, output
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
-    _report(result, as_json=False)
+    _report(result, as_json=False, engine_here=False)  # the server's CPU and kernels are its own

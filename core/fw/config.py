@@ -41,6 +41,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+from fw.interfaces.attention import KVCacheDtype
 from fw.plugins import canonical_kind
 
 ENV_PREFIX = "FW_"
@@ -90,7 +91,9 @@ class CacheSection(_Section):
     )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Fraction of GPU memory the engine may use.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
-    kv_cache_dtype: str = Field("auto", description="KV-cache dtype; auto is the model dtype.")
+    kv_cache_dtype: KVCacheDtype = Field(
+        "auto", description="KV-cache dtype: auto (the model's), fp8 (e4m3) or int8, about half the bytes of bf16."
+    )
 
 
 class SchedulerSection(_Section):

@@ -88,8 +88,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._steps = itertools.count()
         log.info(
-            "fw engine: %s; KV cache %d blocks x %d = %d tokens",
-            ", ".join(f"{k}={v}" for k, v in self.selected.items()),
+            "fw engine: %s; KV cache (%s) %d blocks x %d = %d tokens",
+            ", ".join(f"{k}={v}" for k, v in self.selected.items()), config.cache.kv_cache_dtype,
             self.kv.pool.num_blocks, block_size, self.kv.pool.num_blocks * block_size,
         )
         self.hook.fw_engine_started(engine=self)

@@ -36,20 +36,16 @@ class ModelRunner:
         tensors = quant.load_checkpoint(config.model.model) or iter_safetensors(config.model.model)
         self.model = load_model(model_cls, self.hf_config, ctx, tensors, device=device)
         self.block_size = config.cache.block_size
-        self.num_blocks = self._num_blocks()
-        specs = self.model.attention_specs()
-        self.kv_caches = [
-            torch.empty(
-                attention.kv_cache_shape(self.num_blocks, self.block_size, s.num_kv_heads, s.head_size),
-                dtype=self.dtype,
-                device=device,
-            )
-            for s in specs
+        # The backend lays out each layer's cache; the runner only sizes and allocates what it declares.
+        self.kv_cache_specs = [
+            attention.kv_cache_spec(s, self.block_size, self.dtype, config.cache.kv_cache_dtype)
+            for s in self.model.attention_specs()
         ]
-
-    def _bytes_per_block(self) -> int:
-        per_token = sum(2 * s.num_kv_heads * s.head_size for s in self.model.attention_specs())
-        return per_token * self.block_size * torch.tensor([], dtype=self.dtype).element_size()
+        self.bytes_per_block = sum(spec.bytes_per_block for spec in self.kv_cache_specs)
+        self.num_blocks = self._num_blocks()
+        self.kv_caches = [
+            torch.empty(spec.shape(self.num_blocks), dtype=spec.dtype, device=device) for spec in self.kv_cache_specs
+        ]
 
     def _num_blocks(self) -> int:
         cache = self.config.cache
@@ -62,7 +58,7 @@ class ModelRunner:
             budget = int(free - total * (1 - cache.gpu_memory_utilization))
         else:
             budget = DEFAULT_CPU_KV_BYTES
-        return max(budget // self._bytes_per_block(), 0)
+        return max(budget // self.bytes_per_block, 0)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:

@@ -104,7 +104,9 @@ class PluginSpec:
             raise PluginError(
                 f"{self.kind} plugin {self.name!r} failed to import {self.impl}: {type(exc).__name__}: {exc}"
             ) from exc
-        return obj
+        # An interface that changed since the previous API version adapts plugins written against that one.
+        adapt = getattr(INTERFACES.get(canonical_kind(self.kind)), "adapt", None)
+        return obj if adapt is None else adapt(obj, self.api_version)
 
     def parse_options(self, options: dict[str, Any] | None) -> Any:
         """Validate ``options`` with the plugin's model.

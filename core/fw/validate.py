@@ -51,7 +51,7 @@ def model_requirements(config: FwConfig, device: DeviceInfo, hf_config: dict[str
     quant_format = None
     dtype = None if config.model.dtype == "auto" else config.model.dtype
     head_size = arch = None
-    sliding = mla = False
+    features: set[str] = set()  # the attention features the model needs
     hook = plugins.get_plugin_manager().hook
     if config.model.model:
         quant_format = hook.fw_detect_quant_format(model_path=config.model.model, hf_config=hf_config)
@@ -61,8 +61,12 @@ def model_requirements(config: FwConfig, device: DeviceInfo, hf_config: dict[str
         dtype = dtype or hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
         heads = hf_config.get("num_attention_heads")
         head_size = hf_config.get("head_dim") or (hf_config["hidden_size"] // heads if heads else None)
-        sliding = bool(hf_config.get("sliding_window")) and hf_config.get("use_sliding_window", True)
-        mla = "kv_lora_rank" in hf_config
+        if hf_config.get("sliding_window") and hf_config.get("use_sliding_window", True):
+            features.add("sliding_window")
+        if "kv_lora_rank" in hf_config:
+            features.add("mla")
+        if hf_config.get("attn_logit_softcapping"):
+            features.add("soft_cap")
         arch = (hf_config.get("architectures") or [None])[0]
     return Requirements(
         device=device.device,
@@ -72,8 +76,7 @@ def model_requirements(config: FwConfig, device: DeviceInfo, hf_config: dict[str
         head_size=head_size,
         kv_cache_dtype=config.cache.kv_cache_dtype,
         block_size=config.cache.block_size,
-        mla=mla,
-        sliding_window=sliding,
+        attention_features=frozenset(features),
         quant_format=quant_format,
         architecture=arch,
     )
@@ -177,14 +180,12 @@ def check(
 
 def _not_implemented(config: FwConfig) -> list[str]:
     """Settings the configuration holds for later work: refused, never accepted and ignored."""
-    parallel, cache, connector = config.parallel, config.cache, config.kv_connector.name
+    parallel, connector = config.parallel, config.kv_connector.name
     refused = [
         (parallel.pipeline_parallel_size != 1,
          f"--pipeline-parallel-size (-pp) {parallel.pipeline_parallel_size}: pipeline parallelism"),
         (parallel.data_parallel_size != 1, f"--data-parallel-size (-dp) {parallel.data_parallel_size}: data parallelism"),
         (connector is not None, f"--kv-connector {connector}: driving a KV connector from the engine"),
-        (cache.kv_cache_dtype != "auto",
-         f"--kv-cache-dtype {cache.kv_cache_dtype}: a KV cache in another dtype than the model's (use auto)"),
     ]
     return [f"{what} is not implemented yet" for given, what in refused if given]
 
@@ -193,13 +194,13 @@ def _check_cross_slot(req: Requirements, result: CheckResult) -> None:
     quant, attn = result.selected.get("quant"), result.selected.get("attention")
     if quant is None or attn is None:
         return
-    needed = quant.capabilities.requires_attention_features - attn.capabilities.features
+    needed = quant.capabilities.requires_attention_features - attn.capabilities.provided_features
     if needed:
         result.problems.append(
             f"quant plugin {quant.name!r} needs attention feature(s) {', '.join(sorted(needed))}, "
             f"which attention plugin {attn.name!r} lacks"
         )
-        needy = replace(req, attention_features=quant.capabilities.requires_attention_features)
+        needy = replace(req, attention_features=req.attention_features | quant.capabilities.requires_attention_features)
         result.alternatives["attention"] = [s.name for s in _fits("attention", needy)]
 
 

@@ -47,22 +47,27 @@ class FixedBlockAttention(attention.AttentionBackend):
 class ForgetfulInt8Linear(quant.LinearMethod):
     """int8 per-row weights whose product forgets to multiply the scales back in."""
 
-    def create_weights(self, layer, input_size, output_sizes, params_dtype):
-        weight = torch.nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
+    def create_weights(self, layer, spec):
+        shape = (sum(spec.output_sizes), spec.input_size)
+        weight = torch.nn.Parameter(torch.empty(shape, dtype=spec.params_dtype), requires_grad=False)
         weight.output_dim, weight.input_dim = 0, 1
         layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer):
-        scale = layer.weight.abs().amax(dim=1, keepdim=True) / 127
-        layer.qweight = (layer.weight / scale).round().to(torch.int8)
-        layer.scale = scale
+        layer.qweight, layer.scale = quantize_rows(layer.weight)
 
     def apply(self, layer, x, bias=None):
         return F.linear(x, layer.qweight.to(x.dtype), bias)  # the bug: no "* layer.scale.T"
 
 
+def quantize_rows(weight):
+    """Symmetric int8 per output row: (int8 rows, [out, 1] scales)."""
+    scale = weight.abs().amax(dim=1, keepdim=True) / 127
+    return (weight / scale).round().to(torch.int8), scale
+
+
 class ForgetfulInt8(quant.QuantMethod):
-    def get_linear_method(self, prefix):
+    def get_linear_method(self, spec):
         return ForgetfulInt8Linear()
 
 

@@ -8,7 +8,9 @@ from fw.plugins import PluginSpec
 
 class Int8Options(BaseModel, extra="forbid"):
     skip: list[str] = Field(
-        default_factory=list, description="Layers left unquantized, by the last part of their name (e.g. o_proj)."
+        default_factory=list,
+        description="Layers left unquantized, by the last part of their checkpoint name (e.g. o_proj); a fused "
+        "layer (q/k/v, gate/up) stays unquantized when any of its parts is named.",
     )
 
 
@@ -19,7 +21,7 @@ SPEC = PluginSpec(
     # It loads plain checkpoints ("none") and quantizes them as they load. At the default priority (0) it never
     # replaces the built-in `none` (priority 10) under --quant auto: users choose it with --quant int8.
     capabilities=quant.QuantCapabilities(formats=frozen("none"), dtypes=frozen("float32", "bfloat16", "float16")),
-    api_version=quant.API_VERSION,
+    api_version=2,  # the quant API this plugin is written against (a literal: quant.API_VERSION moves with fw)
     description="int8 weight-only: each linear weight row as int8 times one scale (4x smaller than float32).",
     options=Int8Options,
 )

@@ -1,14 +1,26 @@
 import pytest
 
 from fw import LLM, SamplingParams
-from fw.testing.conformance import QuantConformance, QuantFixture, plain_checkpoint
+from fw.testing.conformance import QuantConformance, QuantFixture, plain_checkpoint, plain_weights
 from fw.testing.models import make_tiny_model
+from fw_quant_int8.method import quantize_rows
+
+
+def int8_weights(checkpoint, options):
+    """The plugin's own reading of a plain checkpoint: each linear layer's weight (the 2-D tensors of the decoder
+    layers) as int8 rows times their scales, except the layers ``skip`` names."""
+    for name, tensor in plain_weights(checkpoint, options):
+        module = name.removesuffix(".weight")
+        if ".layers." in name and tensor.dim() == 2 and module.rpartition(".")[2] not in options.skip:
+            q, scale = quantize_rows(tensor)
+            tensor = q.float() * scale[:, None]
+        yield name, tensor
 
 
 class TestInt8Conformance(QuantConformance):
     plugin = "int8"
     # Per-row int8 keeps a random Gaussian layer within 0.7% of its float product; the suite checks 2%.
-    fixtures = {"none": QuantFixture(plain_checkpoint, 0.02)}
+    fixtures = {"none": QuantFixture(plain_checkpoint, int8_weights, 0.02)}
 
 
 class TestInt8SkippingConformance(TestInt8Conformance):

@@ -1,18 +1,20 @@
 """Attention backend interface (plugin kind ``fw.attention``).
 
-The core owns the paged KV cache layout in blocks; a backend owns the kernel.
-Once per engine step the model runner describes the batch as an
-``AttentionBatch``; the backend may turn it into its own metadata in
-``prepare`` (FlashInfer's plan(), say), and every attention layer then calls
-``forward`` with that metadata. Tokens of all requests are flattened into one
-dimension, prefill chunks and decodes mixed.
+The core owns the paged KV cache's bookkeeping in blocks; a backend owns the
+kernel and the layout of a block (``kv_cache_spec``), from which the model
+runner sizes and allocates the cache. Once per engine step the model runner
+describes the batch as an ``AttentionBatch``; the backend may turn it into its
+own metadata in ``prepare`` (FlashInfer's plan(), say), and every attention
+layer then calls ``forward`` with that metadata. Tokens of all requests are
+flattened into one dimension, prefill chunks and decodes mixed.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args
 
 from fw.interfaces.base import Capabilities, Requirements
 
@@ -22,17 +24,33 @@ if TYPE_CHECKING:
 
 API_VERSION = 1
 
-# Feature flags a backend may declare in ``AttentionCapabilities.features``.
+# Feature flags that models and other slots may require of a backend. "fp8_kv" is not declared as a feature:
+# a backend has it when its kv_cache_dtypes include fp8.
 FEATURES = frozenset({"sliding_window", "mla", "fp8_kv", "cuda_graph", "soft_cap"})
+DERIVED_FEATURES = frozenset({"fp8_kv"})
+
+# The values of --kv-cache-dtype: auto is the model dtype; fp8 is float8_e4m3fn with a per-layer scale for K and
+# one for V; int8 has a scale per token and head (fw.kv_quant stores and reads them).
+KVCacheDtype = Literal["auto", "fp8", "int8"]
+KV_CACHE_DTYPES = frozenset(get_args(KVCacheDtype))
 
 
 @dataclass(frozen=True)
 class AttentionCapabilities(Capabilities):
-    kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
+    kv_cache_dtypes: frozenset[str] = frozenset({"auto"})  # those the backend's kernels read
     head_sizes: frozenset[int] | None = None  # None: any head size
     block_sizes: frozenset[int] | None = None  # None: any block size
 
-    KNOWN: ClassVar[dict[str, frozenset[str]]] = {**Capabilities.KNOWN, "features": FEATURES}
+    KNOWN: ClassVar[dict[str, frozenset[str]]] = {
+        **Capabilities.KNOWN,
+        "features": FEATURES - DERIVED_FEATURES,
+        "kv_cache_dtypes": KV_CACHE_DTYPES,
+    }
+
+    @property
+    def provided_features(self) -> frozenset[str]:
+        """The declared features and those that follow from the other fields."""
+        return self.features | ({"fp8_kv"} if "fp8" in self.kv_cache_dtypes else frozenset())
 
     def problems(self, req: Requirements) -> list[str]:
         out = super().problems(req)
@@ -45,19 +63,24 @@ class AttentionCapabilities(Capabilities):
             )
         if self.block_sizes is not None and req.block_size is not None and req.block_size not in self.block_sizes:
             out.append(f"does not support block size {req.block_size} (supports {sorted(self.block_sizes)})")
-        needed = set(req.attention_features)
-        if req.mla:
-            needed.add("mla")
-        if req.sliding_window:
-            needed.add("sliding_window")
-        for feature in sorted(needed - self.features):
+        for feature in sorted(req.attention_features - self.provided_features):
             out.append(f"does not support {feature}")
         return out
 
 
 @dataclass(frozen=True)
+class MLADims:
+    """Multi-head latent attention (DeepSeek-V2/V3): K and V are expanded from a cached low-rank latent."""
+
+    kv_lora_rank: int  # the latent's width
+    qk_rope_head_dim: int  # the rotary part of each query/key head, cached beside the latent
+    qk_nope_head_dim: int  # the part of each query/key head without rotary embedding
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
 class AttentionLayerSpec:
-    """Static shape of one attention layer, fixed at model construction."""
+    """Static description of one attention layer, fixed at model construction."""
 
     num_heads: int  # query heads on this tensor-parallel rank
     num_kv_heads: int  # KV heads on this rank
@@ -65,6 +88,38 @@ class AttentionLayerSpec:
     scale: float
     sliding_window: int | None = None  # attend to at most this many most recent keys
     layer_idx: int = 0
+    logits_soft_cap: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
+    mla: MLADims | None = None
+    # An fp8 cache stores K / k_scale and V / v_scale: a checkpoint's calibrated scales, else 1.0 (as vLLM).
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """One layer's KV cache as its backend lays it out; the model runner sizes and allocates the cache from it.
+
+    The layer's cache is one tensor of ``shape(num_blocks)`` in ``dtype``: the parts (K, V) first, then the
+    blocks, so block ``b`` is ``cache[:, b]`` in every format and copy-on-write and KV connectors move blocks
+    without knowing the format. Scales that vary per token live inside the entry (int8: each head's row ends in
+    its float32 scale); per-layer scales are the layer's ``k_scale`` and ``v_scale``.
+    """
+
+    block_size: int
+    entry_shape: tuple[int, ...]  # one token's entry in one part, e.g. (kv_heads, head_size)
+    dtype: torch.dtype
+    parts: int = 2  # K and V; an MLA latent cache has one
+
+    def shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.parts, num_blocks, self.block_size, *self.entry_shape)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.parts * math.prod(self.entry_shape) * self.dtype.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
 
 
 @dataclass
@@ -138,9 +193,22 @@ class AttentionBackend(ABC):
     def __init__(self, options: BaseModel | None = None) -> None:
         self.options = options
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache tensor; index 0 is K, 1 is V."""
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+    def kv_cache_spec(
+        self, layer: AttentionLayerSpec, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    ) -> KVCacheSpec:
+        """The layout of ``layer``'s cache for a model in ``dtype``; ``kv_cache_dtype`` is one the capabilities list.
+
+        The default is each KV-cache dtype's standard layout (``fw.kv_quant``): K and V per KV head, or for MLA
+        the latent and the rotary key in one part. Override it only for a layout of the backend's own.
+        """
+        from fw import kv_quant  # imports torch: never at module level, where listing plugins reads this file
+
+        if layer.mla is not None:
+            heads, row, parts = 1, layer.mla.kv_lora_rank + layer.mla.qk_rope_head_dim, 1
+        else:
+            heads, row, parts = layer.num_kv_heads, layer.head_size, 2
+        stored, row = kv_quant.storage(kv_cache_dtype, dtype, row)
+        return KVCacheSpec(block_size, (heads, row), stored, parts)
 
     def prepare(self, batch: AttentionBatch) -> Any:
         """Once per step, before any layer runs: build backend metadata."""
@@ -153,7 +221,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [T, num_heads, head_size]
         k: torch.Tensor,  # [T, num_kv_heads, head_size]
         v: torch.Tensor,  # [T, num_kv_heads, head_size]
-        kv_cache: torch.Tensor,  # this layer's cache, shaped by kv_cache_shape
+        kv_cache: torch.Tensor,  # this layer's cache, as kv_cache_spec laid it out
         metadata: Any,  # what prepare() returned
     ) -> torch.Tensor:
         """Write k/v into ``kv_cache`` at ``slot_mapping``, then attend. Returns [T, num_heads, head_size]."""

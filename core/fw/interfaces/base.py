@@ -30,11 +30,10 @@ class Requirements:
     head_size: int | None = None
     kv_cache_dtype: str = "auto"
     block_size: int | None = None
-    mla: bool = False
-    sliding_window: bool = False
     quant_format: str | None = None
     architecture: str | None = None
-    # Features other slots require of an attention backend (e.g. "fp8_kv" for a quant scheme).
+    # Attention features needed: the model's ("mla", "sliding_window", "soft_cap"), and when validation looks
+    # for alternatives, those another slot requires (a quant scheme's "fp8_kv").
     attention_features: frozenset[str] = frozenset()
 
 

@@ -2,9 +2,14 @@
 
 A quant plugin's implementation is a ``QuantMethod``: it hands every linear
 layer a ``LinearMethod`` that creates the layer's parameters (in whatever
-packed form the checkpoint stores them) and computes ``x @ W.T + b``.
+packed form the checkpoint stores them) and computes ``x @ W.T + b``, and
+every layer of routed experts a ``MoEMethod`` (by default unquantized). Each
+layer describes itself in a ``LinearSpec`` / ``MoESpec``: sizes, the
+checkpoint names of what it fuses, the tensor-parallel split. That spec and
+the parameters a method registers are the whole contract between the two.
 Formats whose files are not safetensors + config.json (GGUF) also provide
-``checkpoint_config``, ``load_checkpoint`` and ``load_tokenizer``. The unquantized path is itself a plugin (``none``).
+``checkpoint_config``, ``load_checkpoint`` and ``load_tokenizer``. The
+unquantized path is itself a plugin (``none``).
 
 Checkpoint-format detection is data: ``config.json``'s
 ``quantization_config.quant_method`` (or a ``fw_detect_quant_format`` hook)
@@ -29,7 +34,8 @@ if TYPE_CHECKING:
 
     from fw.tokenizer import Tokenizer
 
-API_VERSION = 1
+# 2: get_linear_method/create_weights take a LinearSpec; get_moe_method added. v1 plugins run through adapt().
+API_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -49,23 +55,58 @@ class QuantCapabilities(Capabilities):
         return out
 
 
+@dataclass(frozen=True)
+class LinearSpec:
+    """Everything a quant method may know about one linear layer; the layer's other attributes are not API.
+
+    Sizes are this tensor-parallel rank's. A fused layer (q/k/v, gate/up) holds several checkpoint
+    sub-matrices stacked along its output features, in the order of ``checkpoint_names``.
+    """
+
+    # fw's name of the layer, e.g. "model.layers.0.self_attn.qkv_proj".
+    prefix: str
+    # Input features of this rank (a row-parallel layer's share).
+    input_size: int
+    # Output features of each sub-matrix on this rank, in checkpoint order.
+    output_sizes: tuple[int, ...]
+    # Each sub-matrix's module name in the checkpoint ("...self_attn.q_proj"): its tensors are
+    # f"{name}.{leaf}" ("weight", "weight_scale", ...), loaded into the layer's parameter ``leaf``.
+    checkpoint_names: tuple[str, ...]
+    # The ``shard_id`` each sub-matrix's tensors are loaded with: ("q", "k", "v"), (0, 1), or (None,) unfused.
+    shard_ids: tuple[Any, ...]
+    params_dtype: torch.dtype
+    tp_rank: int = 0
+    tp_size: int = 1
+    # Row-parallel: each rank holds a contiguous 1/tp_size of the input features (sums are all-reduced).
+    input_is_parallel: bool = False
+    # Column-parallel: each rank holds a contiguous 1/tp_size of every sub-matrix's output features.
+    output_is_parallel: bool = False
+    # Which rank-sized slice of each sub-matrix this rank holds: tp_rank, except for KV heads replicated
+    # over several ranks. Empty means tp_rank for every sub-matrix.
+    shard_ranks: tuple[int, ...] = ()
+
+    def shard_index(self, shard_id: Any) -> int:
+        """The position of the sub-matrix loaded with ``shard_id``."""
+        if shard_id not in self.shard_ids:
+            raise ValueError(f"{self.prefix} fuses shards {self.shard_ids}: no shard {shard_id!r}")
+        return self.shard_ids.index(shard_id)
+
+    def shard_rank(self, index: int) -> int:
+        return self.shard_ranks[index] if self.shard_ranks else self.tp_rank
+
+
 class LinearMethod(ABC):
     """How one linear layer stores and applies its weight."""
 
     @abstractmethod
-    def create_weights(
-        self,
-        layer: torch.nn.Module,
-        input_size: int,
-        output_sizes: list[int],
-        params_dtype: torch.dtype,
-    ) -> None:
-        """Register the parameters on ``layer``, sized for this tensor-parallel rank.
+    def create_weights(self, layer: torch.nn.Module, spec: LinearSpec) -> None:
+        """Register the parameters on ``layer``, sized for this rank, named after the checkpoint tensors' leaf.
 
-        ``output_sizes`` lists the fused sub-matrices (q, k, v or gate, up) in
-        order. Each parameter carries ``output_dim`` / ``input_dim`` attributes
-        (the dimension that is split across ranks, or None) so that the layer's
-        weight loader can shard and place checkpoint tensors.
+        Each parameter carries ``output_dim`` / ``input_dim`` (the dimension holding output / input
+        features, or None) for the layer's own loader, which places each checkpoint tensor: the
+        sub-matrix's rows along ``output_dim`` (scaled for packed rows), this rank's slice along the
+        split dimension. A parameter may bring its own ``weight_loader(param, tensor, shard_id)``
+        instead, using ``spec`` to find its place.
         """
 
     @abstractmethod
@@ -74,6 +115,54 @@ class LinearMethod(ABC):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack loaded weights for the kernel (transpose, pre-dequantize, ...)."""
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """One mixture-of-experts layer's routed experts, each a gated MLP ``w2 @ (silu(w1 x) * w3 x)``.
+
+    Every rank holds every expert, with this rank's share of the MLP width: w1/w3 (gate/up) split by
+    output features, w2 (down) by input features, like a column- then a row-parallel linear layer.
+    """
+
+    # fw's name of the layer, e.g. "model.layers.0.mlp.experts".
+    prefix: str
+    num_experts: int
+    hidden_size: int
+    # This rank's share of each expert's MLP width.
+    intermediate_size: int
+    # The checkpoint's name of the experts ("model.layers.0.block_sparse_moe.experts") and of the gate, up
+    # and down projections of each ("w1", "w3", "w2" or "gate_proj", "up_proj", "down_proj"): expert e's
+    # tensors are f"{checkpoint_prefix}.{e}.{projection}.{leaf}".
+    checkpoint_prefix: str
+    projections: tuple[str, str, str]
+    params_dtype: torch.dtype
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+class MoEMethod(ABC):
+    """How one MoE layer stores its stacked experts and computes them.
+
+    Parameters are ``w13_<leaf>`` (gate rows, then up rows, per expert) and ``w2_<leaf>``, each stacked
+    along a leading expert dimension; the checkpoint's ``...{e}.{projection}.{leaf}`` tensors load into
+    them with ``shard_id`` (e, "w1" | "w3" | "w2"). ``output_dim`` / ``input_dim`` name the dimensions of
+    one expert's slice ``param[e]``, as a linear layer's do; the layer's loader then places gate and up
+    halves and this rank's slice. A parameter may bring its own ``weight_loader`` instead.
+    """
+
+    @abstractmethod
+    def create_weights(self, layer: torch.nn.Module, spec: MoESpec) -> None:
+        """Register the stacked parameters on ``layer``, sized for this rank."""
+
+    @abstractmethod
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`` for ``x`` [T, hidden]; this rank's partial sum."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Repack loaded weights for the kernel."""
 
 
 class QuantMethod(ABC):
@@ -85,8 +174,14 @@ class QuantMethod(ABC):
         self.quant_config = quant_config or {}
 
     @abstractmethod
-    def get_linear_method(self, prefix: str) -> LinearMethod:
-        """The method for the linear layer named ``prefix`` (e.g. ``model.layers.0.mlp.down_proj``)."""
+    def get_linear_method(self, spec: LinearSpec) -> LinearMethod:
+        """The method for the linear layer ``spec`` describes."""
+
+    def get_moe_method(self, spec: MoESpec) -> MoEMethod:
+        """The method for a layer of routed experts; by default the experts stay unquantized."""
+        from fw.layers.moe import UnquantizedMoEMethod
+
+        return UnquantizedMoEMethod()
 
     def checkpoint_config(self, model_path: str) -> dict[str, Any] | None:
         """For single-file formats the core cannot read (GGUF): the Hugging Face–style config dict.
@@ -102,3 +197,35 @@ class QuantMethod(ABC):
     def load_tokenizer(self, model_path: str) -> Tokenizer | None:
         """For such formats: the tokenizer the file carries. None: the core reads tokenizer.json."""
         return None
+
+
+def adapt(impl: type[QuantMethod], api_version: int) -> type[QuantMethod]:
+    """``impl`` as a plugin of this API, for one written against ``api_version`` (this or the previous one).
+
+    v1 methods took ``get_linear_method(prefix)`` and ``create_weights(layer, input_size, output_sizes,
+    params_dtype)``; the adapter calls them so, from the spec. v1 had no MoE method: experts stay unquantized.
+    """
+    if api_version >= API_VERSION:
+        return impl
+
+    class V1(impl):  # type: ignore[valid-type, misc]
+        def get_linear_method(self, spec: LinearSpec) -> LinearMethod:
+            return _V1LinearMethod(super().get_linear_method(spec.prefix))
+
+    V1.api_version = api_version
+    V1.__name__ = V1.__qualname__ = impl.__name__
+    return V1
+
+
+class _V1LinearMethod(LinearMethod):
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def create_weights(self, layer: torch.nn.Module, spec: LinearSpec) -> None:
+        self.inner.create_weights(layer, spec.input_size, list(spec.output_sizes), spec.params_dtype)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.inner.apply(layer, x, bias)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.inner.process_weights_after_loading(layer)

@@ -1,21 +1,25 @@
-"""Products with dense (unquantized) weight matrices, and the layouts that make them fast on the CPU.
+"""Products with dense (unquantized) weight matrices, chosen per CPU and shape by measurement.
 
-``pack`` reorders a weight once, after loading; ``linear`` multiplies by any
-form. Measured on two AVX-512 cores with the 24 layers + LM head of a
-Qwen2-0.5B-shaped model in bf16 (``benchmarks/RESULTS.md``):
+Two operations of ``fw.kernels``, each with candidates that the first load of
+a shape times (``benchmarks/RESULTS.md`` has the numbers per CPU):
 
-- fw's own kernel (``fw/csrc/dense.cpp``, AVX512-BF16): the weight in
-  pair-interleaved 16-column blocks, ``[out / 16, in / 2, 16, 2]``. One row:
-  30 GB/s of weights (oneDNN 24, plain ``F.linear`` 17); 32 rows: 367 GFLOP/s
-  (oneDNN 338, ``F.linear`` 250); 256 rows: on par with oneDNN (~400).
-- otherwise oneDNN's own blocked layout, where torch has oneDNN with bf16;
-- otherwise the plain ``[out, in]`` matrix and ``F.linear``.
+``dense.linear`` (bf16 weights on the CPU):
+- ``fw``: fw's AVX512-BF16 kernel (``fw/csrc/dense.cpp``) on the weight in
+  pair-interleaved 16-column blocks, ``[out / 16, in / 2, 16, 2]``. On Zen 4 it
+  beat oneDNN at 1-32 rows; on an AMX Xeon oneDNN beat it 2x at 32 rows.
+- ``onednn``: oneDNN's own prepacked layout (AMX where the CPU has it).
+- ``torch``: ``F.linear`` on the plain weight, the reference.
+- ``torch-fp32``: the plain weight widened to float32 a chunk at a time. On a
+  CPU without bf16 arithmetic (AVX2) bf16 GEMMs are 3-8x slower than float32
+  ones from 8 rows up, and widening costs no memory.
 
-float32 always stays plain: it is the reference path tests compare against.
+``dense.logits`` (the LM head, float32 out on every path, since bf16 logits
+turn near-ties into exact ties): ``fw`` (the same kernel storing float32),
+``fw-portable`` (plain bf16 weight, float32 accumulation, any CPU),
+``torch-fp32`` (a float32 copy of the head) and ``torch`` (widened a chunk at
+a time, also the path off the CPU).
 
-The LM head is the exception to "output in the activation dtype": ``logits``
-returns float32 on every path (see ``pack_logits``), since bf16 logits turn
-near-ties into exact ties.
+float32 weights, and weights off the CPU, stay plain with ``F.linear``.
 """
 
 from __future__ import annotations
@@ -25,88 +29,131 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fw import native
+from fw import kernels, native
 
 _SOURCE = Path(__file__).parent.parent / "csrc" / "dense.cpp"
 COLUMNS = 16  # output columns per block of fw's layout
+# Weights widened to float32 at a time: 4 MiB stays in cache and in the allocator's pool (64 MiB chunks,
+# mapped and faulted in afresh on every call, made widening 8x slower at one row on an AVX2 EPYC).
+_CHUNK_WEIGHTS = 1 << 20
+
+LINEAR = kernels.Operation("dense.linear", reference="torch")
+LOGITS = kernels.Operation("dense.logits", reference="torch")
 
 
 def _cpu_bf16(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
 
 
-def _native(weight: torch.Tensor) -> bool:
+def _key(weight: torch.Tensor) -> tuple:
+    """What a choice depends on besides the machine: (out, in, dtype)."""
+    return (*weight.shape, str(weight.dtype).removeprefix("torch."))
+
+
+def _bf16_key(key: tuple) -> bool:
+    return key[2] == "bfloat16"
+
+
+def _has_native(key: tuple) -> bool:
+    return _bf16_key(key) and native.load("fw_dense", _SOURCE)
+
+
+def _has_fw_tiles(key: tuple) -> bool:
+    out_features, in_features, _ = key
+    return out_features % COLUMNS == 0 and in_features % 2 == 0 and _has_native(key) and torch.ops.fw_dense.supported()
+
+
+def _has_onednn(key: tuple) -> bool:
+    return _bf16_key(key) and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _fw_tiles(weight: torch.Tensor) -> torch.Tensor:
     out_features, in_features = weight.shape
-    return (
-        out_features % COLUMNS == 0
-        and in_features % 2 == 0
-        and native.load("fw_dense", _SOURCE)
-        and torch.ops.fw_dense.supported()
-    )
+    blocks = weight.detach().contiguous().view(out_features // COLUMNS, COLUMNS, in_features // 2, 2)
+    return blocks.permute(0, 2, 1, 3).contiguous()
 
 
-def _onednn() -> bool:
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def _flat(fn):
+    """A kernel on [rows, in] as one on [..., in]."""
+
+    def run(weight: torch.Tensor, x: torch.Tensor, *args) -> torch.Tensor:
+        out = fn(weight, x.reshape(-1, x.shape[-1]), *args)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    return run
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    return _cpu_bf16(weight) and (_native(weight) or _onednn())
+def widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ b)`` in float32 from a weight of any float dtype, widened a chunk of rows at a time."""
+    rows = max(1, _CHUNK_WEIGHTS // weight.shape[1])
+    xf = x.float()
+    out = torch.cat([F.linear(xf, chunk.float()) for chunk in weight.split(rows)], dim=-1)
+    return out if bias is None else out + bias.float()
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out, in] in the fastest layout this machine has for it (unchanged if none pays)."""
-    if not can_pack(weight):
-        return weight
-    weight = weight.detach().contiguous()
-    if _native(weight):
-        out_features, in_features = weight.shape
-        blocks = weight.view(out_features // COLUMNS, COLUMNS, in_features // 2, 2)
-        return blocks.permute(0, 2, 1, 3).contiguous()
-    return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+LINEAR.register(kernels.Candidate(
+    "fw", _flat(lambda w, x, b=None: torch.ops.fw_dense.linear(x, w, b)), _fw_tiles, "fw-tiles", _has_fw_tiles))
+LINEAR.register(kernels.Candidate(
+    "onednn", lambda w, x, b=None: torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], ""),
+    lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 1), "onednn", _has_onednn))
+LINEAR.register(kernels.Candidate("torch", lambda w, x, b=None: F.linear(x, w, b)))
+LINEAR.register(kernels.Candidate(
+    "torch-fp32", lambda w, x, b=None: widened(x, w, b).to(x.dtype), supports=_bf16_key))
+
+LOGITS.register(kernels.Candidate(
+    "fw", _flat(lambda w, x: torch.ops.fw_dense.linear(x, w, None, True)), _fw_tiles, "fw-tiles", _has_fw_tiles))
+LOGITS.register(kernels.Candidate(
+    "fw-portable", _flat(lambda w, x: torch.ops.fw_dense.logits(x, w)), supports=_has_native))
+LOGITS.register(kernels.Candidate(
+    "torch-fp32", lambda w, x: F.linear(x.float(), w), lambda w: w.float(), "fp32", _bf16_key))
+LOGITS.register(kernels.Candidate("torch", lambda w, x: widened(x, w)))
+
+
+def _select(op: kernels.Operation, weight: torch.Tensor) -> kernels.Selection:
+    in_features = weight.shape[1]
+    return op.select(_key(weight), weight, lambda rows: (torch.randn(rows, in_features, dtype=weight.dtype),))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T + bias`` for a plain or ``pack``-ed weight."""
-    if weight.dim() == 4:  # fw's layout
-        flat = torch.ops.fw_dense.linear(x.reshape(-1, x.shape[-1]), weight, bias)
-        return flat.view(*x.shape[:-1], flat.shape[-1])
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+    """``x @ W.T + bias`` for a plain weight or one ``pack_parameter`` chose a kernel for."""
+    kernel = getattr(weight, "kernel", None)
+    if kernel is not None:
+        return kernel(x, bias)
     return F.linear(x, weight, bias)
 
 
-def pack_logits(weight: torch.Tensor) -> torch.Tensor:
-    """The LM head's weight for ``logits``: fw's layout where its kernel runs, plain bf16 for fw's portable
-    kernel, else a float32 copy (oneDNN's layouts and ``F.linear`` have no float32 output for bf16 inputs)."""
-    if not _cpu_bf16(weight):
-        return weight
-    if _native(weight):
-        return pack(weight)
-    return weight if native.load("fw_dense", _SOURCE) else weight.float()
-
-
-# Rows of a weight widened to float32 at a time off the CPU: bounds the temporary (64 MiB).
-_LOGIT_CHUNK_WEIGHTS = 1 << 24
-
-
 def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` in float32, never rounded to the activation dtype, for a ``pack_logits``-ed weight."""
-    flat = x.reshape(-1, x.shape[-1])
-    if weight.dim() == 4:
-        out = torch.ops.fw_dense.linear(flat, weight, None, True)
-    elif weight.dtype == torch.float32:
-        out = F.linear(flat.float(), weight)
-    elif _cpu_bf16(weight):
-        out = torch.ops.fw_dense.logits(flat, weight)
-    else:
-        rows = max(1, _LOGIT_CHUNK_WEIGHTS // weight.shape[1])
-        out = torch.cat([F.linear(flat.float(), chunk.float()) for chunk in weight.split(rows)], dim=-1)
-    return out.view(*x.shape[:-1], out.shape[-1])
+    """``x @ W.T`` in float32, never rounded to the activation dtype, for a plain or ``pack_logits``-ed weight."""
+    kernel = getattr(weight, "kernel", None)
+    if kernel is not None:
+        return kernel(x)
+    if weight.dtype == torch.float32:
+        return F.linear(x.float(), weight)
+    return widened(x, weight)
+
+
+def _with_kernel(weight: torch.Tensor, op: kernels.Operation) -> torch.Tensor:
+    """The weight in the layout its decode-sized kernel reads, carrying the selection as ``.kernel``."""
+    selection = _select(op, weight)
+    primary = selection.states[0]
+    primary.kernel = selection
+    return primary
 
 
 def pack_parameter(module: torch.nn.Module, name: str = "weight") -> None:
-    """Swap ``module.<name>`` for its packed form, in place (a buffer: packed tensors are no parameters)."""
+    """Choose ``module.<name>``'s kernel and swap the weight for the layout it reads, in place (a buffer:
+    packed tensors are no parameters). Where row classes chose a second layout, it is kept as ``<name>_1``."""
     weight = getattr(module, name)
-    if can_pack(weight):
+    if not _cpu_bf16(weight):
+        return
+    packed = _with_kernel(weight, LINEAR)
+    if packed is not weight:
         delattr(module, name)
-        module.register_buffer(name, pack(weight), persistent=False)
+        module.register_buffer(name, packed, persistent=False)
+    for i, extra in enumerate(packed.kernel.states[1:], 1):
+        module.register_buffer(f"{name}_{i}", extra, persistent=False)
+
+
+def pack_logits(weight: torch.Tensor) -> torch.Tensor:
+    """The LM head's weight for ``logits``, with its kernel chosen (unchanged off the CPU or in float32)."""
+    return _with_kernel(weight, LOGITS) if _cpu_bf16(weight) else weight

@@ -5,23 +5,25 @@ communication); row-parallel layers split the input features and sum the
 partial products with an all-reduce. A column layer followed by a row layer
 (q/k/v -> o, gate/up -> down) thus costs one all-reduce.
 
-The layer never owns its weight format: it asks the quant method for a
-``LinearMethod`` by prefix, which registers the parameters and computes the
-product. The layer only knows how the checkpoint tensors map onto those
-parameters, through each parameter's ``output_dim`` / ``input_dim``.
+The layer never owns its weight format: it describes itself in a
+``LinearSpec`` (sizes, checkpoint names of its fused sub-matrices, the
+tensor-parallel split) and asks the quant method for a ``LinearMethod``, which
+registers the parameters and computes the product. The layer only knows how
+the checkpoint tensors map onto those parameters, through each parameter's
+``output_dim`` / ``input_dim``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from fw.distributed import get_tp_group
-from fw.interfaces.quant import QuantMethod
-from fw.layers.utils import check_shape, set_weight_attrs
+from fw.interfaces.quant import LinearSpec, QuantMethod
+from fw.layers.utils import load_shard, set_weight_attrs
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -30,8 +32,26 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def load_linear_shard(spec: LinearSpec, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    """Place one checkpoint tensor into a linear layer's parameter by its ``output_dim`` / ``input_dim``: the
+    layers' own loader, and public for a quant plugin's loader that converts a tensor before placing it."""
+    idx = spec.shard_index(shard_id)
+    load_shard(
+        param.data,
+        loaded,
+        output_dim=getattr(param, "output_dim", None),
+        input_dim=getattr(param, "input_dim", None),
+        output_sizes=spec.output_sizes,
+        index=idx,
+        output_rank=spec.shard_rank(idx) if spec.output_is_parallel else None,
+        input_rank=spec.tp_rank if spec.input_is_parallel else None,
+        what=f"{spec.prefix}, shard {shard_id}",
+    )
+
+
 class LinearBase(nn.Module):
-    """``output_partition_sizes`` are this rank's sizes of the fused sub-matrices, in checkpoint order."""
+    """``output_partition_sizes`` are this rank's sizes of the fused sub-matrices, in checkpoint order;
+    ``checkpoint_names`` their module names in the checkpoint (default: ``prefix``, unfused)."""
 
     def __init__(
         self,
@@ -42,6 +62,7 @@ class LinearBase(nn.Module):
         quant: QuantMethod,
         prefix: str,
         params_dtype: torch.dtype,
+        checkpoint_names: Sequence[str] | None = None,
         input_is_parallel: bool = False,
         output_is_parallel: bool = False,
         shard_ids: Sequence[Any] | None = None,
@@ -49,22 +70,26 @@ class LinearBase(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = get_tp_group()
-        self.prefix = prefix
-        self.input_size = input_size
-        self.output_partition_sizes = list(output_partition_sizes)
-        self.output_size = sum(self.output_partition_sizes)
-        self.input_is_parallel = input_is_parallel
-        self.output_is_parallel = output_is_parallel
-        n = len(self.output_partition_sizes)
-        self.shard_ids = tuple(range(n)) if shard_ids is None else tuple(shard_ids)
-        # Which rank-sized slice of each checkpoint shard this rank holds (differs from the
-        # rank when KV heads are replicated across ranks).
-        self.shard_ranks = [self.tp.rank] * n if shard_ranks is None else list(shard_ranks)
-
-        self.linear_method = quant.get_linear_method(prefix)
-        self.linear_method.create_weights(self, input_size, self.output_partition_sizes, params_dtype)
+        n = len(output_partition_sizes)
+        self.spec = LinearSpec(
+            prefix=prefix,
+            input_size=input_size,
+            output_sizes=tuple(output_partition_sizes),
+            checkpoint_names=tuple(checkpoint_names or (prefix,)),
+            shard_ids=(None,) if shard_ids is None else tuple(shard_ids),
+            params_dtype=params_dtype,
+            tp_rank=self.tp.rank,
+            tp_size=self.tp.world_size,
+            input_is_parallel=input_is_parallel,
+            output_is_parallel=output_is_parallel,
+            shard_ranks=() if shard_ranks is None else tuple(shard_ranks),
+        )
+        if not len(self.spec.checkpoint_names) == len(self.spec.shard_ids) == n:
+            raise ValueError(f"{prefix}: {n} sub-matrices need as many checkpoint names and shard ids")
+        self.linear_method = quant.get_linear_method(self.spec)
+        self.linear_method.create_weights(self, self.spec)
         if bias:
-            self.bias = nn.Parameter(torch.empty(self.output_size, dtype=params_dtype), requires_grad=False)
+            self.bias = nn.Parameter(torch.empty(sum(output_partition_sizes), dtype=params_dtype), requires_grad=False)
             set_weight_attrs(self.bias, output_dim=0, input_dim=None)
         else:
             self.register_parameter("bias", None)
@@ -74,26 +99,14 @@ class LinearBase(nn.Module):
                 param.weight_loader = self.weight_loader
             param.num_shards = n
 
+    def checkpoint_targets(self) -> Iterator[tuple[str, tuple[str, Any]]]:
+        """(checkpoint module name, (parameter name stem, shard_id)) for each sub-matrix: "...q_proj.weight_scale"
+        loads into f"{stem}weight_scale" with that shard_id."""
+        for name, shard_id in zip(self.spec.checkpoint_names, self.spec.shard_ids, strict=True):
+            yield name, (f"{self.spec.prefix}.", shard_id)
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        if shard_id is None and len(self.shard_ids) > 1:
-            raise ValueError(f"{self.prefix} fuses {self.shard_ids}: each checkpoint tensor needs its shard_id")
-        idx = 0 if shard_id is None else self.shard_ids.index(shard_id)
-        dst = param.data
-        output_dim = getattr(param, "output_dim", None)
-        if output_dim is not None:
-            # Packed formats keep fewer rows than logical outputs; offsets scale by the same ratio.
-            ratio = dst.shape[output_dim] / self.output_size
-            start = round(sum(self.output_partition_sizes[:idx]) * ratio)
-            size = round(self.output_partition_sizes[idx] * ratio)
-            dst = dst.narrow(output_dim, start, size)
-            if self.output_is_parallel:
-                loaded = loaded.narrow(output_dim, self.shard_ranks[idx] * size, size)
-        input_dim = getattr(param, "input_dim", None)
-        if input_dim is not None and self.input_is_parallel:
-            size = dst.shape[input_dim]
-            loaded = loaded.narrow(input_dim, self.tp.rank * size, size)
-        check_shape(dst.shape, loaded, f"{self.prefix}, shard {shard_id}")
-        dst.copy_(loaded)
+        load_linear_shard(self.spec, param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, x, self.bias)
@@ -111,8 +124,17 @@ class ReplicatedLinear(LinearBase):
         quant: QuantMethod,
         prefix: str,
         params_dtype: torch.dtype,
+        checkpoint_name: str | None = None,
     ) -> None:
-        super().__init__(input_size, [output_size], bias=bias, quant=quant, prefix=prefix, params_dtype=params_dtype)
+        super().__init__(
+            input_size,
+            [output_size],
+            bias=bias,
+            quant=quant,
+            prefix=prefix,
+            params_dtype=params_dtype,
+            checkpoint_names=checkpoint_name and [checkpoint_name],
+        )
 
 
 class ColumnParallelLinear(LinearBase):
@@ -141,7 +163,8 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(LinearBase):
     """Several column-parallel matrices of the same input fused into one product (gate and up).
 
-    Checkpoint tensors are loaded with ``shard_id`` = their index in ``output_sizes``.
+    ``checkpoint_names`` names each matrix in the checkpoint; its tensors are loaded with ``shard_id`` = its
+    index in ``output_sizes``.
     """
 
     def __init__(
@@ -153,6 +176,7 @@ class MergedColumnParallelLinear(LinearBase):
         quant: QuantMethod,
         prefix: str,
         params_dtype: torch.dtype,
+        checkpoint_names: Sequence[str],
     ) -> None:
         tp_size = get_tp_group().world_size
         super().__init__(
@@ -162,12 +186,15 @@ class MergedColumnParallelLinear(LinearBase):
             quant=quant,
             prefix=prefix,
             params_dtype=params_dtype,
+            checkpoint_names=checkpoint_names,
             output_is_parallel=True,
+            shard_ids=range(len(output_sizes)),
         )
 
 
 class QKVParallelLinear(LinearBase):
-    """Fused q/k/v projection, split by heads; loaded with ``shard_id`` "q", "k" or "v".
+    """Fused q/k/v projection, split by heads; the checkpoint's three matrices (``checkpoint_names``, in q, k, v
+    order) are loaded with ``shard_id`` "q", "k" or "v".
 
     With fewer KV heads than ranks each rank holds one KV head, shared by
     ``tp_size / num_kv_heads`` consecutive ranks.
@@ -184,6 +211,7 @@ class QKVParallelLinear(LinearBase):
         quant: QuantMethod,
         prefix: str,
         params_dtype: torch.dtype,
+        checkpoint_names: Sequence[str],
     ) -> None:
         tp = get_tp_group()
         num_heads = divide(total_num_heads, tp.world_size, f"{prefix} attention heads")
@@ -201,6 +229,7 @@ class QKVParallelLinear(LinearBase):
             quant=quant,
             prefix=prefix,
             params_dtype=params_dtype,
+            checkpoint_names=checkpoint_names,
             output_is_parallel=True,
             shard_ids=("q", "k", "v"),
             shard_ranks=[tp.rank, kv_rank, kv_rank],

@@ -5,38 +5,26 @@ intermediate dimension: ``w13 [E, 2 * I / tp, H]`` (gate rows then up rows)
 and ``w2 [E, H, I / tp]``. Each rank's output is then a partial sum, reduced
 with one all-reduce, exactly like a row-parallel linear layer.
 
-All expert compute goes through the module-level ``fused_experts``, the one
-function a faster kernel (a grouped GEMM, a Triton kernel) replaces.
+The quant method's ``MoEMethod`` owns the parameters' format (``w13_weight``,
+``w2_weight`` and whatever scales it needs) and the expert compute; the layer
+routes tokens and places checkpoint tensors. ``run_experts`` is the routing
+loop every method shares; ``fused_experts``, the unquantized compute, is the
+one function a faster kernel (a grouped GEMM, a Triton kernel) replaces.
 """
 
 from __future__ import annotations
 
-import re
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fw.distributed import get_tp_group
+from fw.interfaces.quant import MoEMethod, MoESpec, QuantMethod
 from fw.layers.activation import silu_and_mul
 from fw.layers.linear import divide
-from fw.layers.utils import check_shape
-
-# Per-expert checkpoint names: Qwen's gate_proj/up_proj/down_proj and Mixtral's w1/w3/w2.
-_EXPERT_WEIGHT = re.compile(
-    r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)"
-    r"\.weight$"
-)
-_SHARD = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3", "down_proj": "w2", "w2": "w2"}
-
-
-def expert_weight_target(name: str) -> tuple[str, tuple[int, str]] | None:
-    """Map ``...experts.{e}.{proj}.weight`` to (stacked parameter name, (e, "w1" | "w3" | "w2"))."""
-    m = _EXPERT_WEIGHT.match(name)
-    if m is None:
-        return None
-    shard = _SHARD[m["proj"]]
-    return f"{m['prefix']}.{'w2' if shard == 'w2' else 'w13'}", (int(m["expert"]), shard)
+from fw.layers.utils import load_shard, set_weight_attrs
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,17 +36,17 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
-def fused_experts(
+def run_experts(
     hidden: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2I, H]
-    w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k]
     topk_ids: torch.Tensor,  # [T, k]
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """``sum_k topk_weights[t, k] * w2[e] @ silu_and_mul(w13[e] @ hidden[t])`` with ``e = topk_ids[t, k]``.
+    """``sum_k topk_weights[t, k] * expert(e, hidden[t])`` with ``e = topk_ids[t, k]``.
 
-    The (token, choice) pairs are sorted by expert so that each expert with
-    work runs one pair of matmuls over all of its tokens.
+    The (token, choice) pairs are sorted by expert so that ``expert(e, rows)`` runs once per expert with work,
+    over all of its tokens.
     """
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
@@ -67,13 +55,45 @@ def fused_experts(
     x = hidden[token_of]
     out = torch.empty_like(x)
     start = 0
-    for expert, count in enumerate(torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()):
+    for e, count in enumerate(torch.bincount(flat_ids, minlength=num_experts).tolist()):
         if count:
             rows = slice(start, start + count)
-            out[rows] = F.linear(silu_and_mul(F.linear(x[rows], w13[expert])), w2[expert])
+            out[rows] = expert(e, x[rows])
             start += count
     out *= topk_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
     return torch.zeros_like(hidden).index_add_(0, token_of, out)
+
+
+def fused_experts(
+    hidden: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # [T, k]
+    topk_ids: torch.Tensor,  # [T, k]
+) -> torch.Tensor:
+    """``sum_k topk_weights[t, k] * w2[e] @ silu_and_mul(w13[e] @ hidden[t])`` with ``e = topk_ids[t, k]``."""
+    return run_experts(
+        hidden, topk_weights, topk_ids, w13.shape[0], lambda e, x: F.linear(silu_and_mul(F.linear(x, w13[e])), w2[e])
+    )
+
+
+class UnquantizedMoEMethod(MoEMethod):
+    """Experts in the model dtype: ``w13_weight [E, 2I, H]`` and ``w2_weight [E, H, I]``."""
+
+    def create_weights(self, layer: nn.Module, spec: MoESpec) -> None:
+        shapes = {
+            "w13_weight": (spec.num_experts, 2 * spec.intermediate_size, spec.hidden_size),
+            "w2_weight": (spec.num_experts, spec.hidden_size, spec.intermediate_size),
+        }
+        for name, shape in shapes.items():
+            param = nn.Parameter(torch.empty(shape, dtype=spec.params_dtype), requires_grad=False)
+            set_weight_attrs(param, output_dim=0, input_dim=1)  # of one expert's [out, in] matrix
+            layer.register_parameter(name, param)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return fused_experts(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
 
 
 class FusedMoE(nn.Module):
@@ -85,36 +105,65 @@ class FusedMoE(nn.Module):
         intermediate_size: int,
         *,
         renormalize: bool,
+        quant: QuantMethod,
         params_dtype: torch.dtype,
         prefix: str,
+        checkpoint_prefix: str,
+        projections: tuple[str, str, str],
     ) -> None:
+        """``checkpoint_prefix`` / ``projections``: the experts' checkpoint names (see ``MoESpec``)."""
         super().__init__()
         self.tp = get_tp_group()
         self.top_k = top_k
         self.renormalize = renormalize
-        self.intermediate_per_rank = divide(intermediate_size, self.tp.world_size, f"{prefix} expert width")
-        width = self.intermediate_per_rank
-        self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * width, hidden_size, dtype=params_dtype), requires_grad=False
+        self.spec = MoESpec(
+            prefix=prefix,
+            num_experts=num_experts,
+            hidden_size=hidden_size,
+            intermediate_size=divide(intermediate_size, self.tp.world_size, f"{prefix} expert width"),
+            checkpoint_prefix=checkpoint_prefix,
+            projections=projections,
+            params_dtype=params_dtype,
+            tp_rank=self.tp.rank,
+            tp_size=self.tp.world_size,
         )
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, width, dtype=params_dtype), requires_grad=False)
-        self.w13.weight_loader = self.w2.weight_loader = self.weight_loader
-        self.w13.num_shards, self.w2.num_shards = 2 * num_experts, num_experts
+        self.moe_method = quant.get_moe_method(self.spec)
+        self.moe_method.create_weights(self, self.spec)
+        for name, param in self.named_parameters(recurse=False):
+            if not hasattr(param, "weight_loader"):
+                param.weight_loader = self.weight_loader
+            param.num_shards = (2 if name.startswith("w13_") else 1) * num_experts
+
+    def checkpoint_targets(self) -> Iterator[tuple[str, tuple[str, tuple[int, str]]]]:
+        """(checkpoint module name, (parameter name stem, shard_id)): "...experts.3.w1.weight" loads into
+        ``w13_weight`` with shard_id (3, "w1")."""
+        spec = self.spec
+        for e in range(spec.num_experts):
+            for projection, which in zip(spec.projections, ("w1", "w3", "w2"), strict=True):
+                stem = "w2_" if which == "w2" else "w13_"
+                yield f"{spec.checkpoint_prefix}.{e}.{projection}", (f"{spec.prefix}.{stem}", (e, which))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
-        """Place one expert's checkpoint matrix; ``shard_id`` is (expert, "w1" | "w3" | "w2")."""
+        """Place one expert's checkpoint tensor; ``shard_id`` is (expert, "w1" | "w3" | "w2")."""
         expert, which = shard_id
-        width = self.intermediate_per_rank
-        mine = slice(self.tp.rank * width, (self.tp.rank + 1) * width)
-        if which == "w2":
-            dst, src = param.data[expert], loaded[:, mine]
-        else:
-            half = 0 if which == "w1" else 1
-            dst, src = param.data[expert, half * width : (half + 1) * width], loaded[mine]
-        check_shape(dst.shape, src, f"expert {expert} {which}")
-        dst.copy_(src)
+        w2 = which == "w2"
+        load_shard(
+            param.data[expert],
+            loaded,
+            output_dim=getattr(param, "output_dim", None),
+            input_dim=getattr(param, "input_dim", None),
+            # w13 stacks gate and up, column-parallel; w2 is row-parallel.
+            output_sizes=(1,) if w2 else (1, 1),
+            index=0 if which != "w3" else 1,
+            output_rank=None if w2 else self.tp.rank,
+            input_rank=self.tp.rank if w2 else None,
+            what=f"{self.spec.prefix}, expert {expert} {which}",
+        )
+
+    def process_weights_after_loading(self) -> None:
+        self.moe_method.process_weights_after_loading(self)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = fused_experts(hidden, self.w13, self.w2, topk_weights, topk_ids)
+        out = self.moe_method.apply(self, hidden, topk_weights, topk_ids)
         return self.tp.all_reduce(out) if self.tp.world_size > 1 else out

@@ -9,6 +9,7 @@ from a partly loaded one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -25,6 +26,37 @@ def check_shape(expected: tuple[int, ...], loaded: torch.Tensor, what: str = "")
         raise ValueError(
             f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter of shape {tuple(expected)}{where}"
         )
+
+
+def load_shard(
+    dst: torch.Tensor,
+    loaded: torch.Tensor,
+    *,
+    output_dim: int | None,
+    input_dim: int | None,
+    output_sizes: Sequence[int],
+    index: int,
+    output_rank: int | None,
+    input_rank: int | None,
+    what: str,
+) -> None:
+    """Copy one checkpoint sub-matrix (every rank's features) into its place in ``dst``, this rank's slice.
+
+    ``dst`` stacks the sub-matrices of ``output_sizes`` (this rank's sizes) along ``output_dim``; packed
+    formats keep fewer rows than logical outputs there, and offsets scale by the same ratio. ``output_rank`` /
+    ``input_rank`` say which rank-sized slice of ``loaded`` to take along that dimension (None: not split).
+    """
+    if output_dim is not None:
+        ratio = dst.shape[output_dim] / sum(output_sizes)
+        size = round(output_sizes[index] * ratio)
+        dst = dst.narrow(output_dim, round(sum(output_sizes[:index]) * ratio), size)
+        if output_rank is not None:
+            loaded = loaded.narrow(output_dim, output_rank * size, size)
+    if input_dim is not None and input_rank is not None:
+        size = dst.shape[input_dim]
+        loaded = loaded.narrow(input_dim, input_rank * size, size)
+    check_shape(dst.shape, loaded, what)
+    dst.copy_(loaded)
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:

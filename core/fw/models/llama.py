@@ -25,20 +25,10 @@ from fw.layers.attention import Attention
 from fw.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from fw.layers.layernorm import RMSNorm
 from fw.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from fw.layers.moe import expert_weight_target
 from fw.layers.rotary import RotaryEmbedding
 from fw.layers.utils import default_weight_loader, num_shards
 from fw.model_loader import ModelLoadError
 from fw.models.base import HFConfig, ModelContext
-
-# (fused parameter part, checkpoint part, shard id)
-_FUSED = (
-    (".qkv_proj.", ".q_proj.", "q"),
-    (".qkv_proj.", ".k_proj.", "k"),
-    (".qkv_proj.", ".v_proj.", "v"),
-    (".gate_up_proj.", ".gate_proj.", 0),
-    (".gate_up_proj.", ".up_proj.", 1),
-)
 
 
 class GatedMLP(nn.Module):
@@ -57,6 +47,7 @@ class GatedMLP(nn.Module):
             quant=ctx.quant,
             prefix=f"{prefix}.gate_up_proj",
             params_dtype=ctx.dtype,
+            checkpoint_names=[f"{prefix}.gate_proj", f"{prefix}.up_proj"],
         )
         self.down_proj = RowParallelLinear(
             intermediate_size,
@@ -97,6 +88,7 @@ class SelfAttention(nn.Module):
             quant=ctx.quant,
             prefix=f"{prefix}.qkv_proj",
             params_dtype=ctx.dtype,
+            checkpoint_names=[f"{prefix}.{m}_proj" for m in "qkv"],
         )
         num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.split = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
@@ -177,8 +169,6 @@ class LlamaForCausalLM(nn.Module):
     """LlamaForCausalLM and MistralForCausalLM (whose ``sliding_window`` applies to every layer)."""
 
     qk_norm = False
-    # Checkpoint name fragments renamed before mapping onto parameters.
-    checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
     def attention_bias(self, config: HFConfig) -> tuple[bool, bool]:
         """(q/k/v bias, o bias)."""
@@ -237,31 +227,28 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load Hugging Face-named tensors; return the parameters whose every shard was loaded."""
         params = dict(self.named_parameters())
+        # Checkpoint module name -> (parameter name stem, shard id), from the layers that fuse or rename
+        # checkpoint matrices (q/k/v, gate/up, experts); every other tensor loads into its own name.
+        targets = {
+            name: target
+            for module in self.modules()
+            if hasattr(module, "checkpoint_targets")
+            for name, target in module.checkpoint_targets()
+        }
         seen: dict[str, set[Any]] = defaultdict(set)
         tied = self.config.get("tie_word_embeddings", False)
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                 continue
-            for old, new in self.checkpoint_renames:
-                name = name.replace(old, new)
-            target, shard_id = self._target(name)
+            module, _, leaf = name.rpartition(".")
+            stem, shard_id = targets.get(module, (f"{module}.", None))
+            target = stem + leaf
             param = params.get(target)
             if param is None:
                 raise ModelLoadError(f"checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
             getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
             seen[target].add(shard_id)
         return {name for name, shards in seen.items() if len(shards) >= num_shards(params[name])}
-
-    @staticmethod
-    def _target(name: str) -> tuple[str, Any]:
-        """(parameter name, shard id) for a checkpoint tensor name."""
-        expert = expert_weight_target(name)
-        if expert is not None:
-            return expert
-        for fused, part, shard_id in _FUSED:
-            if part in name:
-                return name.replace(part, fused), shard_id
-        return name, None
 
 
 def qwen_sliding_window(config: HFConfig, layer_idx: int, default_sliding: bool) -> int | None:

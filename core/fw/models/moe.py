@@ -28,15 +28,26 @@ class SparseMoeBlock(nn.Module):
         top_k: int,
         intermediate_size: int,
         renormalize: bool,
+        projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+        checkpoint_prefix: str | None = None,
         shared_expert_size: int = 0,
     ) -> None:
+        """``projections``: each expert's gate, up and down matrices as the checkpoint names them;
+        ``checkpoint_prefix``: the block's own name there, when it differs from ``prefix``."""
         super().__init__()
         hidden_act = config.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"{prefix}: unsupported hidden_act {hidden_act!r} (only 'silu')")
         hidden = config.hidden_size
+        checkpoint_prefix = checkpoint_prefix or prefix
         self.gate = ReplicatedLinear(
-            hidden, num_experts, bias=False, quant=ctx.quant, prefix=f"{prefix}.gate", params_dtype=ctx.dtype
+            hidden,
+            num_experts,
+            bias=False,
+            quant=ctx.quant,
+            prefix=f"{prefix}.gate",
+            params_dtype=ctx.dtype,
+            checkpoint_name=f"{checkpoint_prefix}.gate",
         )
         self.experts = FusedMoE(
             num_experts,
@@ -44,8 +55,11 @@ class SparseMoeBlock(nn.Module):
             hidden,
             intermediate_size,
             renormalize=renormalize,
+            quant=ctx.quant,
             params_dtype=ctx.dtype,
             prefix=f"{prefix}.experts",
+            checkpoint_prefix=f"{checkpoint_prefix}.experts",
+            projections=projections,
         )
         self.shared_expert = self.shared_expert_gate = None
         if shared_expert_size:
@@ -64,9 +78,8 @@ class SparseMoeBlock(nn.Module):
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
-    checkpoint_renames = ((".block_sparse_moe.", ".mlp."),)
-
     def make_mlp(self, config: HFConfig, ctx: ModelContext, layer_idx: int, prefix: str) -> nn.Module:
+        # Mixtral's checkpoint calls the block "block_sparse_moe" and its experts' matrices w1 (gate), w3, w2.
         return SparseMoeBlock(
             config,
             ctx,
@@ -75,6 +88,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
             top_k=config.num_experts_per_tok,
             intermediate_size=config.intermediate_size,
             renormalize=True,
+            projections=("w1", "w3", "w2"),
+            checkpoint_prefix=f"{prefix.removesuffix('.mlp')}.block_sparse_moe",
         )
 
 

@@ -10,9 +10,9 @@ plugin; pytest then runs the whole suite against it::
         options = {"strength": 0.5}
 
 Kinds: ``AttentionConformance``, ``QuantConformance`` (give a ``QuantFixture``
-per checkpoint format), ``CommConformance``, ``KVConnectorConformance``,
-``SamplerConformance`` and ``HooksConformance`` (``plugin`` is the
-``fw.hooks`` entry-point name). fw's own tests run every suite against a
+per checkpoint format: how to write one, and how your format decodes it),
+``CommConformance``, ``KVConnectorConformance``, ``SamplerConformance`` and
+``HooksConformance`` (``plugin`` is the ``fw.hooks`` entry-point name). fw's own tests run every suite against a
 deliberately broken plugin of its kind, which must fail it.
 
 Numerical tests run on the first device the plugin supports that this host
@@ -25,7 +25,7 @@ import math
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -124,7 +124,8 @@ def dense_attention(q, k, v, positions_q, sliding_window=None):
 
 
 class AttentionConformance(PluginConformance):
-    """Paged attention against a dense reference, for every dtype the backend declares and two block sizes.
+    """Paged attention against a dense reference, for every dtype and KV-cache dtype the backend declares and two
+    block sizes.
 
     Three steps over four requests: prompts prefilled; then a chunk continuing a prompt, a fresh prompt, a decode
     whose token opens a new block, and a prompt whose first block is another request's (a shared, cached prefix);
@@ -136,18 +137,24 @@ class AttentionConformance(PluginConformance):
     # Two sizes catch a kernel that assumes one; a backend declaring block_sizes runs (up to two of) its own.
     block_sizes: ClassVar[tuple[int, ...]] = (16, 32)
     tolerances: ClassVar[dict[torch.dtype, float]] = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+    # A quantized cache against the unquantized reference (outputs are O(1)): twice what the torch backend needs.
+    kv_cache_tolerances: ClassVar[dict[str, float]] = {"fp8": 0.2, "int8": 5e-2}
 
     def _cases(self) -> list[tuple[torch.dtype, int]]:
         caps = self.spec.capabilities
         sizes = sorted(caps.block_sizes)[:2] if caps.block_sizes else self.block_sizes
         return [(getattr(torch, d), b) for d in sorted(caps.dtypes) for b in sizes]
 
-    def _check(self, dtype: torch.dtype, b: int, sliding_window: int | None) -> None:
+    def _check(self, dtype: torch.dtype, b: int, sliding_window: int | None, kv_cache_dtype: str = "auto") -> None:
         device = self.device()
         backend = self.make()
         gen = torch.Generator().manual_seed(0)
         heads, kv_heads = 4, 2
-        layer = attention.AttentionLayerSpec(heads, kv_heads, self.head_size, self.head_size**-0.5, sliding_window)
+        # Per-layer scales other than 1, so that a kernel ignoring them fails.
+        scales = {"k_scale": 0.5, "v_scale": 2.0} if kv_cache_dtype == "fp8" else {}
+        layer = attention.AttentionLayerSpec(
+            heads, kv_heads, self.head_size, self.head_size**-0.5, sliding_window, **scales
+        )
         # Per request: its total tokens, and the (first token, count) it computes in each of the three steps.
         plan = {
             "chunked": (b + 10, [(0, b + 4), (b + 4, 5), (b + 9, 1)]),
@@ -164,8 +171,9 @@ class AttentionConformance(PluginConformance):
         }
         for t in (1, 2):  # the shared prefix holds the same keys and values
             qkv["shared"][t][:b] = qkv["chunked"][t][:b]
-        cache = torch.zeros(backend.kv_cache_shape(12, b, kv_heads, self.head_size), dtype=dtype, device=device)
-        tol = self.tolerances[dtype]
+        spec = backend.kv_cache_spec(layer, b, dtype, kv_cache_dtype)
+        cache = torch.zeros(spec.shape(12), dtype=spec.dtype, device=device)
+        tol = max(self.tolerances[dtype], self.kv_cache_tolerances.get(kv_cache_dtype, 0.0))
         for step in range(3):
             batch = [(r, *steps[step]) for r, (_, steps) in plan.items() if steps[step] is not None]
             meta = attention.AttentionBatch.build(
@@ -180,7 +188,9 @@ class AttentionConformance(PluginConformance):
                 expected = dense_attention(rq[s : s + n], rk[: s + n], rv[: s + n], torch.arange(s, s + n), sliding_window)
                 torch.testing.assert_close(
                     out[row : row + n], expected, atol=tol, rtol=tol * 5,
-                    msg=lambda m, r=r, step=step: f"{dtype}, block size {b}, step {step + 1}, request {r!r}: {m}",
+                    msg=lambda m, r=r, step=step: (
+                        f"{dtype}, {kv_cache_dtype} cache, block size {b}, step {step + 1}, request {r!r}: {m}"
+                    ),
                 )
                 row += n
 
@@ -194,28 +204,47 @@ class AttentionConformance(PluginConformance):
         for dtype, block_size in self._cases():
             self._check(dtype, block_size, 8)
 
+    def test_kv_cache_dtypes(self) -> None:
+        quantized = sorted(self.spec.capabilities.kv_cache_dtypes - {"auto"})
+        if not quantized:
+            pytest.skip(f"{self.plugin} declares no KV-cache dtype but auto")
+        for kv_cache_dtype in quantized:
+            for dtype, block_size in self._cases():
+                self._check(dtype, block_size, None, kv_cache_dtype)
+
 
 def plain_checkpoint(plain: Path, _out: Path) -> Path:
-    """The fixture of the ``none`` format: the plain checkpoint as it is."""
+    """The ``none`` format's checkpoint: the plain one as it is."""
     return plain
+
+
+def plain_weights(checkpoint: Path, _options: Any) -> Iterable[tuple[str, torch.Tensor]]:
+    """The ``none`` format's dequantized weights: the checkpoint's own."""
+    from fw.model_loader import iter_safetensors
+
+    return iter_safetensors(checkpoint)
 
 
 @dataclass(frozen=True)
 class QuantFixture:
-    """How to write a checkpoint in one format, and how close its linear layers must come to the float weights."""
+    """A small checkpoint of one format, the plugin's own float reading of it, and that reading's error."""
 
     # (a plain float32 checkpoint directory, an empty directory) -> a checkpoint of the same weights in the format
     build: Callable[[Path, Path], Path]
-    # The largest relative error |y - x W^T| / |x W^T| (Frobenius norms) any linear layer may make in float32;
-    # 16-bit dtypes get their rounding on top.
+    # (that checkpoint, the plugin's parsed options) -> its Hugging Face-named tensors in float32 as the format
+    # decodes them (a plugin that quantizes as it loads: the weights as it rounds them). The plugin's layers must
+    # compute with exactly these weights, up to float rounding.
+    dequantize: Callable[[Path, Any], Iterable[tuple[str, torch.Tensor]]]
+    # The format's own error: the largest relative error |x Wd^T - x W^T| / |x W^T| (Frobenius norms) of any
+    # linear layer, Wd dequantized and W the float weights.
     tolerance: float
 
 
 class _DenseLinear(quant.LinearMethod):
     """The reference: float32 ``[out, in]`` weights, through the core's own weight loader."""
 
-    def create_weights(self, layer, input_size, output_sizes, params_dtype):
-        weight = torch.nn.Parameter(torch.empty(sum(output_sizes), input_size), requires_grad=False)
+    def create_weights(self, layer, spec):
+        weight = torch.nn.Parameter(torch.empty(sum(spec.output_sizes), spec.input_size), requires_grad=False)
         weight.output_dim, weight.input_dim = 0, 1
         layer.register_parameter("weight", weight)
 
@@ -224,31 +253,34 @@ class _DenseLinear(quant.LinearMethod):
 
 
 class _DenseReference(quant.QuantMethod):
-    def get_linear_method(self, prefix: str) -> quant.LinearMethod:
+    def get_linear_method(self, spec: quant.LinearSpec) -> quant.LinearMethod:
         return _DenseLinear()
 
 
-def _load(path: Path, method_for: Callable[[dict | None], quant.QuantMethod], dtype: torch.dtype, device: str):
-    """The model at ``path`` as the engine loads it: config.json (else the quant method's reading of the file),
-    the quant method for its quantization_config, then every tensor through the layers' weight loaders."""
-    from fw.model_loader import iter_safetensors, load_model
+def _load(hf_config: dict, method: quant.QuantMethod, weights, dtype: torch.dtype, device: str):
+    """The model as the engine loads it, with ``method``: every tensor through the layers' weight loaders."""
+    from fw.model_loader import load_model
     from fw.models.base import HFConfig, ModelContext
 
-    hf_config = model_registry.read_hf_config(str(path)) or method_for(None).checkpoint_config(str(path))
-    method = method_for(hf_config.get("quantization_config"))
-    weights = method.load_checkpoint(str(path)) or iter_safetensors(path)
     ctx = ModelContext(dtype=dtype, quant=method, attention=None)  # no forward pass: linear layers only
     return load_model(model_registry.resolve(hf_config).load(), HFConfig(hf_config), ctx, weights, device=device)
 
 
+# The relative error a correct plugin's layers make against its dequantized weights: float32 summation order;
+# 16-bit dtypes get their rounding on top.
+_ROUNDING = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+
 class QuantConformance(PluginConformance):
     """Every linear layer of a tiny model, loaded from a checkpoint of each format the plugin declares (through the
-    layers' weight loaders: fused q/k/v and gate/up shards, packed parameters), against the float weights."""
+    layers' weight loaders: fused q/k/v and gate/up shards, packed parameters), against the plugin's own
+    dequantization of that checkpoint; and that dequantization against the float weights, within the format's
+    tolerance."""
 
     kind = "quant"
     # Format -> its fixture. Every format in the spec's ``formats`` needs one; "none" defaults to the plain
-    # checkpoint with a float32-exact tolerance (a plugin that quantizes plain checkpoints gives its own).
-    fixtures: ClassVar[dict[str, QuantFixture]] = {"none": QuantFixture(plain_checkpoint, 1e-5)}
+    # checkpoint read as it is (a plugin that quantizes plain checkpoints gives its own).
+    fixtures: ClassVar[dict[str, QuantFixture]] = {"none": QuantFixture(plain_checkpoint, plain_weights, 0.0)}
     architecture: ClassVar[str] = "LlamaForCausalLM"
 
     @pytest.fixture(scope="class")
@@ -258,36 +290,64 @@ class QuantConformance(PluginConformance):
 
         return make_tiny_model(cls.architecture, tmp_path_factory.mktemp("quant") / "plain")
 
+    @pytest.fixture(scope="class")
+    @classmethod
+    def checkpoints(cls, plain: Path, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+        """Format -> (its checkpoint, the config the engine reads for it)."""
+        suite = cls()
+        suite.device()  # skips where the plugin cannot run: writing and reading its format may need its dependencies
+        impl, options = suite.spec.load(), suite.spec.parse_options(cls.options)
+        out = {}
+        for fmt in sorted(suite.spec.capabilities.formats & set(cls.fixtures)):
+            path = cls.fixtures[fmt].build(plain, tmp_path_factory.mktemp(f"quant-{fmt}"))
+            out[fmt] = path, model_registry.read_hf_config(str(path)) or impl(options).checkpoint_config(str(path))
+        return out
+
     def _dtypes(self, device: str) -> list[torch.dtype]:
         # On the CPU fw serves float16 checkpoints as bfloat16 (fw.validate), so float16 runs on CUDA only.
         names = sorted(self.spec.capabilities.dtypes - ({"float16"} if device == "cpu" else set()))
         return [getattr(torch, d) for d in names]
 
+    def _dequantized(self, fmt: str, checkpoints) -> torch.nn.Module:
+        path, config = checkpoints[fmt]
+        weights = self.fixtures[fmt].dequantize(path, self.spec.parse_options(self.options))
+        return _load(config, _DenseReference(), weights, torch.float32, "cpu")
+
+    @staticmethod
+    def _compare(model, reference, device: str, dtype: torch.dtype, tol: float, what: str) -> None:
+        gen = torch.Generator().manual_seed(0)
+        layers = [(n, m) for n, m in model.named_modules() if hasattr(m, "linear_method")]
+        assert layers, "the model has no linear layers built by the quant method"
+        for name, layer in layers:
+            ref = reference.get_submodule(name)
+            x = torch.randn(5, ref.spec.input_size, generator=gen)
+            with torch.no_grad():
+                expected, got = ref(x), layer(x.to(device, dtype)).float().cpu()
+            error = ((got - expected).norm() / expected.norm()).item()
+            assert error <= tol, f"{what}, {name}: relative error {error:.3g} > {tol:.3g}"
+
     def test_every_format_has_a_fixture(self) -> None:
         missing = sorted(self.spec.capabilities.formats - set(self.fixtures))
-        assert not missing, f"set fixtures[format] = QuantFixture(build, tolerance) for {', '.join(missing)}"
+        assert not missing, f"set fixtures[format] = QuantFixture(build, dequantize, tolerance) for {', '.join(missing)}"
 
-    def test_linear_layers_match_the_float_weights(self, plain: Path, tmp_path: Path) -> None:
+    def test_dequantized_weights_are_within_the_format_tolerance(self, plain: Path, checkpoints) -> None:
+        float_weights = _load(model_registry.read_hf_config(str(plain)), _DenseReference(), plain_weights(plain, None),
+                              torch.float32, "cpu")
+        for fmt in checkpoints:
+            tol = self.fixtures[fmt].tolerance
+            self._compare(self._dequantized(fmt, checkpoints), float_weights, "cpu", torch.float32, tol,
+                          f"{fmt} checkpoint dequantized against the float weights")
+
+    def test_linear_layers_match_the_dequantized_weights(self, checkpoints) -> None:
         device = self.device()
         impl, options = self.spec.load(), self.spec.parse_options(self.options)
-        reference = _load(plain, lambda _: _DenseReference(), torch.float32, "cpu")
-        gen = torch.Generator().manual_seed(0)
-        for fmt in sorted(self.spec.capabilities.formats & set(self.fixtures)):
-            fixture = self.fixtures[fmt]
-            (tmp_path / fmt).mkdir()
-            checkpoint = fixture.build(plain, tmp_path / fmt)
+        for fmt, (path, config) in checkpoints.items():
+            reference = self._dequantized(fmt, checkpoints)
             for dtype in self._dtypes(device):
-                model = _load(checkpoint, lambda qc: impl(options, qc), dtype, device)
-                tol = fixture.tolerance + (0 if dtype == torch.float32 else 2e-2)
-                layers = [(n, m) for n, m in model.named_modules() if hasattr(m, "linear_method")]
-                assert layers, "the model has no linear layers built by the quant method"
-                for name, layer in layers:
-                    ref = reference.get_submodule(name)
-                    x = torch.randn(5, ref.input_size, generator=gen)
-                    with torch.no_grad():
-                        expected, got = ref(x), layer(x.to(device, dtype)).float().cpu()
-                    error = ((got - expected).norm() / expected.norm()).item()
-                    assert error <= tol, f"{fmt} checkpoint, {dtype}, {name}: relative error {error:.3g} > {tol:.3g}"
+                method = impl(options, config.get("quantization_config"))
+                weights = method.load_checkpoint(str(path)) or plain_weights(path, None)
+                model = _load(config, method, weights, dtype, device)
+                self._compare(model, reference, device, dtype, _ROUNDING[dtype], f"{fmt} checkpoint, {dtype}")
 
 
 def _free_port() -> int:

@@ -1,9 +1,10 @@
 """FlashInfer attention backend.
 
-The core's default cache layout, ``(2, num_blocks, block_size, kv_heads,
+The core's standard cache layout, ``(2, num_blocks, block_size, kv_heads,
 head_size)``, is FlashInfer's "NHD" paged layout once split into a
-``(k_cache, v_cache)`` tuple, so ``kv_cache_shape`` is not overridden and
-other plugins (KV connectors) keep seeing the usual layout.
+``(k_cache, v_cache)`` tuple, so ``kv_cache_spec`` is not overridden and
+other plugins (KV connectors) keep seeing the usual layout. An fp8 cache is
+that layout in float8_e4m3fn, which FlashInfer reads given the layer's scales.
 
 One ``BatchPrefillWithPagedKVCacheWrapper`` serves prefill chunks and decodes
 alike: its causal mask is aligned to the end of each request's KV, which is
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from fw import kv_quant
 from fw.interfaces.attention import AttentionBackend, AttentionBatch, AttentionLayerSpec
 
 INSTALL_HINT = (
@@ -106,15 +108,13 @@ class FlashInferAttention(AttentionBackend):
     ) -> Any:
         # FlashInfer's window_left counts the keys left of the query; the layer's window includes the query.
         window_left = layer.sliding_window - 1 if layer.sliding_window else -1
-        # AttentionLayerSpec has no soft-cap field; a model that caps logits passes a spec carrying one.
-        soft_cap = getattr(layer, "logits_soft_cap", None)
         key = (
             layer.num_heads,
             layer.num_kv_heads,
             layer.head_size,
             layer.scale,
             window_left,
-            soft_cap,
+            layer.logits_soft_cap,
             q.dtype,
             kv_cache.dtype,
         )
@@ -135,7 +135,7 @@ class FlashInferAttention(AttentionBackend):
                 causal=True,
                 sm_scale=layer.scale,
                 window_left=window_left,
-                logits_soft_cap=soft_cap,
+                logits_soft_cap=layer.logits_soft_cap,
                 q_data_type=q.dtype,
                 kv_data_type=kv_cache.dtype,
             )
@@ -153,7 +153,9 @@ class FlashInferAttention(AttentionBackend):
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         # The kernel reads the new tokens' K/V from the cache, so they go in first.
-        k_cache.view(-1, layer.num_kv_heads, layer.head_size).index_copy_(0, metadata.slot_mapping, k)
-        v_cache.view(-1, layer.num_kv_heads, layer.head_size).index_copy_(0, metadata.slot_mapping, v)
+        kv_quant.write(k_cache, metadata.slot_mapping, k, layer.k_scale)
+        kv_quant.write(v_cache, metadata.slot_mapping, v, layer.v_scale)
         wrapper = self._planned_wrapper(layer, q, kv_cache, metadata)
+        if kv_cache.dtype == torch.float8_e4m3fn:  # the layer's scales apply to an fp8 cache only
+            return wrapper.run(q, (k_cache, v_cache), k_scale=layer.k_scale, v_scale=layer.v_scale)
         return wrapper.run(q, (k_cache, v_cache))

@@ -17,11 +17,13 @@ SPEC = PluginSpec(
         dtypes=frozen("bfloat16", "float16"),
         head_sizes=frozenset({64, 128, 256}),
         features=frozen("sliding_window", "soft_cap"),
+        kv_cache_dtypes=frozen("auto", "fp8"),
         requires_modules=("flashinfer",),
     ),
     api_version=attention.API_VERSION,
     description=(
-        "FlashInfer paged-KV attention (mixed prefill chunks and decodes, GQA, sliding window, logit soft cap); "
+        "FlashInfer paged-KV attention (mixed prefill chunks and decodes, GQA, sliding window, logit soft cap, "
+        "fp8 KV cache); "
         "needs a CUDA GPU with compute capability >= 8.0 and the flashinfer-python package."
     ),
     # Above the portable torch backend (BUILTIN_PRIORITY), so "auto" picks FlashInfer wherever it fits.

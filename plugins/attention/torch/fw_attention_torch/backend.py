@@ -17,6 +17,10 @@ Query ``j`` of a request with ``seq_len`` S and ``query_len`` Q sits at
 position ``S - Q + j`` and sees the keys up to its own position (with a
 sliding window W, only the last W of them). That one rule covers fresh
 prefill, chunked prefill against cached context, and decode.
+
+Every KV-cache dtype of ``fw.kv_quant`` is read by both paths: the torch path
+dequantizes the keys and values it gathers, the native kernel each row as it
+reads it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fw import native
+from fw import kv_quant, native
 from fw.interfaces.attention import AttentionBackend, AttentionBatch, AttentionLayerSpec
 
 _NATIVE_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
@@ -134,11 +138,9 @@ class TorchAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
     ) -> torch.Tensor:
-        key_cache = kv_cache[0].view(-1, layer.num_kv_heads, layer.head_size)
-        value_cache = kv_cache[1].view(-1, layer.num_kv_heads, layer.head_size)
-        slot_mapping = metadata.batch.slot_mapping
-        key_cache[slot_mapping] = k
-        value_cache[slot_mapping] = v
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        kv_quant.write(key_cache, metadata.batch.slot_mapping, k, layer.k_scale)
+        kv_quant.write(value_cache, metadata.batch.slot_mapping, v, layer.v_scale)
 
         decodes = metadata.decodes
         native = decodes is not None and decodes.block_tables is not None
@@ -151,8 +153,8 @@ class TorchAttention(AttentionBackend):
             slots = req.key_slots[first_key:]
             # [1, heads, tokens, head_size]: sdpa takes its fused CPU (flash) kernel only for 4-d inputs;
             # 3-d ones fall back to the unfused math path, 4-6x slower.
-            keys = key_cache[slots].transpose(0, 1)[None]
-            values = value_cache[slots].transpose(0, 1)[None]
+            keys = kv_quant.read(key_cache, slots, q.dtype, layer.k_scale).transpose(0, 1)[None]
+            values = kv_quant.read(value_cache, slots, q.dtype, layer.v_scale).transpose(0, 1)[None]
             attn = F.scaled_dot_product_attention(
                 q[req.queries].transpose(0, 1)[None], keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=gqa
             )
@@ -163,8 +165,8 @@ class TorchAttention(AttentionBackend):
             out[decodes.rows] = self._decode(
                 layer,
                 q[decodes.rows],
-                key_cache[decodes.key_slots],
-                value_cache[decodes.key_slots],
+                kv_quant.read(key_cache, decodes.key_slots, torch.float32, layer.k_scale),
+                kv_quant.read(value_cache, decodes.key_slots, torch.float32, layer.v_scale),
                 metadata.decode_mask(layer.sliding_window),
             )
         return out
@@ -174,22 +176,23 @@ class TorchAttention(AttentionBackend):
         layer: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor, decodes: _Decodes
     ) -> torch.Tensor:
         return torch.ops.fw_attention_torch.paged_decode(
-            q, kv_cache[0], kv_cache[1], decodes.block_tables, decodes.seq_lens, layer.scale, layer.sliding_window or 0
+            q, kv_cache[0], kv_cache[1], decodes.block_tables, decodes.seq_lens, layer.scale,
+            layer.sliding_window or 0, layer.k_scale, layer.v_scale,
         )
 
     @staticmethod
     def _decode(
         layer: AttentionLayerSpec,
         q: torch.Tensor,  # [D, heads, head_size]
-        keys: torch.Tensor,  # [D, max_len, kv_heads, head_size]
-        values: torch.Tensor,  # [D, max_len, kv_heads, head_size]
+        keys: torch.Tensor,  # [D, max_len, kv_heads, head_size] float32
+        values: torch.Tensor,  # [D, max_len, kv_heads, head_size] float32
         mask: torch.Tensor,  # [D, max_len]
     ) -> torch.Tensor:
         """One query per request against its padded keys, in float32 for accuracy."""
         num_reqs, kv_heads = q.shape[0], layer.num_kv_heads
         # Query head h reads KV head h // group, so consecutive query heads share one KV head.
         grouped = q.view(num_reqs, kv_heads, -1, layer.head_size).float()
-        scores = grouped @ keys.permute(0, 2, 3, 1).float() * layer.scale  # [D, kv_heads, group, max_len]
+        scores = grouped @ keys.permute(0, 2, 3, 1) * layer.scale  # [D, kv_heads, group, max_len]
         scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-        out = scores.softmax(dim=-1) @ values.transpose(1, 2).float()  # [D, kv_heads, group, head_size]
+        out = scores.softmax(dim=-1) @ values.transpose(1, 2)  # [D, kv_heads, group, head_size]
         return out.view(num_reqs, layer.num_heads, layer.head_size).to(q.dtype)

@@ -10,9 +10,12 @@ SPEC = PluginSpec(
         devices=frozen("cpu", "cuda"),
         dtypes=frozen("float32", "bfloat16", "float16"),
         features=frozen("sliding_window"),
-        kv_cache_dtypes=frozen("auto"),
+        kv_cache_dtypes=frozen("auto", "fp8", "int8"),
     ),
     api_version=attention.API_VERSION,
-    description="Paged prefill and decode with torch scaled_dot_product_attention; any head size and block size.",
+    description=(
+        "Paged prefill and decode with torch scaled_dot_product_attention; any head size and block size; "
+        "fp8 and int8 KV caches."
+    ),
     priority=BUILTIN_PRIORITY,  # the portable default; a plugin installed beside it must declare more to replace it
 )

@@ -5,8 +5,13 @@ of each fused sub-matrix (q, k, v or gate, up), one after the other, each as ``[
 in the file's row-major order. Sub-matrices of one layer may have different types (llama.cpp's
 ``*_K_M`` mixes put v in Q6_K next to q and k in Q4_K); the layout is fixed when the layer is built,
 from the ggml types that the checkpoint config's ``quantization_config["tensor_types"]`` lists per
-Hugging Face tensor name. ``apply`` dequantizes the blocks into the activation dtype and multiplies; on the CPU, decode-sized
-inputs over Q4_0/Q4_1/Q8_0 blocks instead go to a native kernel that decodes each block as it reads it.
+Hugging Face tensor name.
+
+Products (``fw.kernels`` operation ``gguf.linear``, chosen per CPU, shape and row count by timing):
+``torch`` dequantizes the blocks into the activation dtype and multiplies, ``torch-fp32`` into float32
+(bf16 GEMMs are several times slower on CPUs without bf16 arithmetic), and ``fw``, for Q4_0/Q4_1/Q8_0 on
+the CPU, is a native kernel that decodes each block in registers as it reads it: it wins at decode sizes,
+while prefill-sized inputs amortize one dequantization into a dense product better.
 Layers whose weights are all plain floats (F32/F16/BF16), and every layer with ``dequantize=True``,
 hold a dense ``[out, in]`` weight instead, filled by dequantizing each tensor as it is loaded.
 
@@ -29,23 +34,19 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from fw import native
-from fw.interfaces.quant import LinearMethod, QuantMethod
+from fw import kernels, native
+from fw.interfaces.quant import LinearMethod, LinearSpec, QuantMethod
 from fw.layers import dense
+from fw.layers.linear import load_linear_shard
 from fw.layers.utils import check_shape
 from fw.model_loader import ModelLoadError
 from fw.tokenizer import Tokenizer
 from fw_quant_gguf import checkpoint, tokenizer
 from fw_quant_gguf.dequant import FLOAT_TYPES, dequantize, row_bytes
 
-# fw's fused linear layers (fw.models.llama) and the checkpoint tensors they hold, in shard order.
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # Weights dequantized at a time in apply(): bounds the float temporaries of a large layer (64 MiB in fp32).
 _CHUNK_WEIGHTS = 1 << 24
-# Decode-sized inputs (at most this many rows) of these types go to the native kernel (csrc/gemv.cpp), which
-# decodes blocks in registers instead of dequantizing whole matrices; it decodes every block once per 8 rows
-# of x, so prefill-sized inputs amortize one dequantization into a dense product better.
-_NATIVE_MAX_ROWS = 64
+# The types the native kernel (csrc/gemv.cpp) decodes.
 _NATIVE_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
 _SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"
 
@@ -64,40 +65,33 @@ class _Shard:
         return self.rows * self.row_bytes
 
 
-def _shard_index(layer: nn.Module, shard_id: Any) -> int:
-    return 0 if shard_id is None else layer.shard_ids.index(shard_id)
-
-
 class GGUFLinearMethod(LinearMethod):
     """One linear layer whose sub-matrices have the ggml types ``shard_types``."""
 
     def __init__(self, shard_types: list[GGMLQuantizationType], dequantize_at_load: bool) -> None:
         self.shard_types = shard_types
         self.dense = dequantize_at_load or all(t in FLOAT_TYPES for t in shard_types)
-        self.native = all(t in _NATIVE_TYPES for t in shard_types)
         self.shards: list[_Shard] = []
         # What apply() dequantizes at a time: rows of adjacent shards of one type, at most _CHUNK_WEIGHTS weights.
         self.chunks: list[_Shard] = []
 
-    def create_weights(
-        self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype
-    ) -> None:
-        if len(output_sizes) != len(self.shard_types):
-            raise ModelLoadError(
-                f"{layer.prefix}: {len(output_sizes)} sub-matrices, but GGUF types for {len(self.shard_types)}"
-            )
+    def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
+        input_size, params_dtype = spec.input_size, spec.params_dtype
+        self.input_size, self.params_dtype = input_size, params_dtype  # what the kernels are timed on
         if self.dense:
-            weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
+            weight = nn.Parameter(
+                torch.empty(sum(spec.output_sizes), input_size, dtype=params_dtype), requires_grad=False
+            )
             weight.output_dim, weight.input_dim = 0, 1
-            weight.weight_loader = partial(self._load_dense, layer)
+            weight.weight_loader = partial(self._load_dense, spec)
         else:
             offset = 0
-            for qtype, rows in zip(self.shard_types, output_sizes, strict=True):
+            for qtype, rows in zip(self.shard_types, spec.output_sizes, strict=True):
                 try:
                     width = row_bytes(qtype, input_size)
                 except ValueError as exc:
                     split = " (the tensor-parallel split of its input features must fall on block boundaries)"
-                    raise ModelLoadError(f"{layer.prefix}: {exc}{split if layer.input_is_parallel else ''}") from None
+                    raise ModelLoadError(f"{spec.prefix}: {exc}{split if spec.input_is_parallel else ''}") from None
                 self.shards.append(_Shard(qtype, offset, rows, width))
                 offset += rows * width
             step = max(1, _CHUNK_WEIGHTS // input_size)
@@ -112,44 +106,79 @@ class GGUFLinearMethod(LinearMethod):
             weight = nn.Parameter(torch.empty(offset, dtype=torch.uint8), requires_grad=False)
             # Sharded and placed by _load_packed itself: the generic loader cannot cut a flat mix of layouts.
             weight.output_dim = weight.input_dim = None
-            weight.weight_loader = partial(self._load_packed, layer)
+            weight.weight_loader = partial(self._load_packed, spec)
         layer.register_parameter("weight", weight)
 
-    def _load_dense(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        qtype = self.shard_types[_shard_index(layer, shard_id)]
-        layer.weight_loader(param, dequantize(loaded.to(param.device), qtype, param.dtype), shard_id)
+    def _load_dense(self, spec: LinearSpec, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        qtype = self.shard_types[spec.shard_index(shard_id)]
+        load_linear_shard(spec, param, dequantize(loaded.to(param.device), qtype, param.dtype), shard_id)
 
-    def _load_packed(self, layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-        idx = _shard_index(layer, shard_id)
+    def _load_packed(self, spec: LinearSpec, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        idx = spec.shard_index(shard_id)
         shard = self.shards[idx]
-        if layer.output_is_parallel:
-            loaded = loaded.narrow(0, layer.shard_ranks[idx] * shard.rows, shard.rows)
-        if layer.input_is_parallel:
-            loaded = loaded.narrow(1, layer.tp.rank * shard.row_bytes, shard.row_bytes)
-        check_shape((shard.rows, shard.row_bytes), loaded, f"{layer.prefix}, shard {shard_id}, {shard.qtype.name}")
+        if spec.output_is_parallel:
+            loaded = loaded.narrow(0, spec.shard_rank(idx) * shard.rows, shard.rows)
+        if spec.input_is_parallel:
+            loaded = loaded.narrow(1, spec.tp_rank * shard.row_bytes, shard.row_bytes)
+        check_shape((shard.rows, shard.row_bytes), loaded, f"{spec.prefix}, shard {shard_id}, {shard.qtype.name}")
         param.data[shard.offset : shard.offset + shard.nbytes].view(shard.rows, shard.row_bytes).copy_(loaded)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.dense:
             dense.pack_parameter(layer)
+            return
+        blocks = _Blocks(layer.weight, self.chunks, self.native_shards)
+        dtype, width = self.params_dtype, self.input_size
+        key = (tuple((s.qtype.name, s.rows) for s in self.shards), width, str(dtype).removeprefix("torch."),
+               layer.weight.device.type)
+        self.kernel = PRODUCT.select(key, blocks, lambda rows: (torch.randn(rows, width, dtype=dtype),))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.dense:
             return dense.linear(x, layer.weight, bias)
+        return self.kernel(x, bias)
 
-        rows = x.numel() // x.shape[-1]
-        if rows <= _NATIVE_MAX_ROWS and self.native and x.device.type == "cpu" and native.load("fw_quant_gguf", _SOURCE):
-            out = torch.ops.fw_quant_gguf.quant_gemv(x.reshape(rows, x.shape[-1]), layer.weight, self.native_shards)
-            out = out.view(*x.shape[:-1], -1)
-            return out if bias is None else out + bias
 
-        def weight(c: _Shard) -> torch.Tensor:
-            return dequantize(layer.weight[c.offset : c.offset + c.nbytes].view(c.rows, c.row_bytes), c.qtype, x.dtype)
+@dataclass(frozen=True)
+class _Blocks:
+    """A quantized layer's weight as its kernels read it."""
 
-        if len(self.chunks) == 1:
-            return F.linear(x, weight(self.chunks[0]), bias)
-        out = torch.cat([F.linear(x, weight(c)) for c in self.chunks], dim=-1)
-        return out if bias is None else out + bias
+    data: torch.Tensor  # the flat uint8 blocks
+    chunks: list[_Shard]
+    native_shards: list[int]
+
+
+def _dequantized(blocks: _Blocks, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    def weight(c: _Shard) -> torch.Tensor:
+        return dequantize(blocks.data[c.offset : c.offset + c.nbytes].view(c.rows, c.row_bytes), c.qtype, dtype)
+
+    x = x.to(dtype)
+    if len(blocks.chunks) == 1:
+        out = F.linear(x, weight(blocks.chunks[0]))
+    else:
+        out = torch.cat([F.linear(x, weight(c)) for c in blocks.chunks], dim=-1)
+    return out if bias is None else out + bias.to(dtype)
+
+
+def _native(blocks: _Blocks, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    out = torch.ops.fw_quant_gguf.quant_gemv(x.reshape(rows, x.shape[-1]), blocks.data, blocks.native_shards)
+    out = out.view(*x.shape[:-1], out.shape[-1])
+    return out if bias is None else out + bias
+
+
+def _native_supports(key: tuple) -> bool:
+    shards, _, _, device = key
+    return (device == "cpu" and all(GGMLQuantizationType[t] in _NATIVE_TYPES for t, _ in shards)
+            and native.load("fw_quant_gguf", _SOURCE))
+
+
+PRODUCT = kernels.Operation("gguf.linear", reference="torch")
+PRODUCT.register(kernels.Candidate("fw", _native, supports=_native_supports))
+PRODUCT.register(kernels.Candidate("torch", lambda b, x, bias=None: _dequantized(b, x, bias, x.dtype)))
+PRODUCT.register(kernels.Candidate(
+    "torch-fp32", lambda b, x, bias=None: _dequantized(b, x, bias, torch.float32).to(x.dtype),
+    supports=lambda key: key[2] == "bfloat16"))
 
 
 class GGUFMethod(QuantMethod):
@@ -158,11 +187,10 @@ class GGUFMethod(QuantMethod):
         self.tensor_types: dict[str, str] = self.quant_config.get("tensor_types", {})
         self.dequantize_at_load = bool(options is not None and options.dequantize)
 
-    def get_linear_method(self, prefix: str) -> LinearMethod:
-        parent, _, leaf = prefix.rpartition(".")
+    def get_linear_method(self, spec: LinearSpec) -> LinearMethod:
         types = []
-        for part in _FUSED.get(leaf, (leaf,)):
-            name = f"{parent}.{part}.weight"
+        for part in spec.checkpoint_names:
+            name = f"{part}.weight"
             if name not in self.tensor_types:
                 raise ModelLoadError(f"the GGUF file has no tensor for {name}")
             types.append(GGMLQuantizationType[self.tensor_types[name]])

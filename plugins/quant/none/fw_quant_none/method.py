@@ -3,17 +3,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fw.interfaces.quant import LinearMethod, QuantMethod
+from fw.interfaces.quant import LinearMethod, LinearSpec, QuantMethod
 from fw.layers import dense
 
 
 class UnquantizedLinearMethod(LinearMethod):
     """One ``weight [out, in]`` parameter, the fused sub-matrices stacked along ``out``."""
 
-    def create_weights(
-        self, layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype
-    ) -> None:
-        weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
+    def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
+        weight = nn.Parameter(
+            torch.empty(sum(spec.output_sizes), spec.input_size, dtype=spec.params_dtype), requires_grad=False
+        )
         weight.output_dim, weight.input_dim = 0, 1
         layer.register_parameter("weight", weight)
 
@@ -25,7 +25,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
 
 class Unquantized(QuantMethod):
-    def get_linear_method(self, prefix: str) -> LinearMethod:
+    def get_linear_method(self, spec: LinearSpec) -> LinearMethod:
         # Stateless, so every layer can share one instance.
         return _LINEAR
 

@@ -1,13 +1,18 @@
 // Decode attention straight from the paged KV cache: one query token per request, keys and values
 // read block by block where they lie, never gathered into a contiguous copy.
 // One task per (request, KV head): its query heads share every key and value load (GQA).
+// The cache holds the model dtype, fp8 or int8 rows with their scale (fw/kv_quant.py): rows are dequantized to
+// float32 as they are read.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "fw_cpu.h"
@@ -126,16 +131,49 @@ inline bool bf16_scores(const at::BFloat16* q, const at::BFloat16* kp, Slot slot
 }
 #endif
 
+// How one head's row of the cache becomes float32 (the formats of fw/kv_quant.py).
 template <typename T>
+struct Plain {  // the model dtype
+  using Elem = T;
+  void load(const T* row, float* dst, int64_t n) const { to_float(row, dst, n); }
+};
+
+struct Fp8 {  // float8_e4m3fn times the layer's scale
+  using Elem = c10::Float8_e4m3fn;
+  float scale;
+  void load(const Elem* row, float* dst, int64_t n) const {
+    // All 256 values, so a load is a table lookup rather than a bit-level conversion per element.
+    static const std::array<float, 256> table = [] {
+      std::array<float, 256> t;
+      for (int b = 0; b < 256; ++b) t[b] = static_cast<float>(Elem(static_cast<uint8_t>(b), Elem::from_bits()));
+      return t;
+    }();
+    const uint8_t* bits = reinterpret_cast<const uint8_t*>(row);
+    for (int64_t i = 0; i < n; ++i) dst[i] = table[bits[i]] * scale;
+  }
+};
+
+struct Int8 {  // int8 times the row's own float32 scale, stored right after its n values
+  using Elem = int8_t;
+  void load(const int8_t* row, float* dst, int64_t n) const {
+    float step;
+    std::memcpy(&step, row + n, sizeof step);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) dst[i] = row[i] * step;
+  }
+};
+
+template <typename T, typename Format>
 void decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
-            at::Tensor& out) {
+            Format keys, Format values, at::Tensor& out) {
+  using Elem = typename Format::Elem;
   const int64_t num_reqs = q.size(0), num_heads = q.size(1), head_size = q.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2), max_blocks = block_tables.size(1);
-  const int64_t group = num_heads / kv_heads;
+  const int64_t group = num_heads / kv_heads, row_len = key_cache.size(3);
   const T* qp = q.data_ptr<T>();
-  const T* kp = key_cache.data_ptr<T>();
-  const T* vp = value_cache.data_ptr<T>();
+  const Elem* kp = static_cast<const Elem*>(key_cache.data_ptr());
+  const Elem* vp = static_cast<const Elem*>(value_cache.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
@@ -149,11 +187,14 @@ void decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
       scores.resize(group * n);
       auto slot = [&](int64_t t) { return (int64_t)tables[r * max_blocks + t / block_size] * block_size + t % block_size; };
 
-      if (!bf16_scores(qr, kp, slot, first, len, group, head_size, kv_heads, g, static_cast<float>(scale), scores)) {
+      bool scored = false;
+      if constexpr (std::is_same_v<Format, Plain<T>>) {  // the bf16 fast path reads the model dtype only
+        scored = bf16_scores(qr, kp, slot, first, len, group, head_size, kv_heads, g, static_cast<float>(scale), scores);
+      }
+      if (!scored) {
         for (int64_t i = 0; i < group * head_size; ++i) query[i] = static_cast<float>(qr[i]) * static_cast<float>(scale);
         for (int64_t t = first; t < len; ++t) {
-          const T* k = kp + (slot(t) * kv_heads + g) * head_size;
-          for (int64_t i = 0; i < head_size; ++i) row[i] = static_cast<float>(k[i]);
+          keys.load(kp + (slot(t) * kv_heads + g) * row_len, row.data(), head_size);
           for (int64_t h = 0; h < group; ++h) {
             const float* qh = query.data() + h * head_size;
             float s = 0.f;
@@ -171,7 +212,7 @@ void decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = first; t < len; ++t) {
-        to_float(vp + (slot(t) * kv_heads + g) * head_size, row.data(), head_size);
+        values.load(vp + (slot(t) * kv_heads + g) * row_len, row.data(), head_size);
         for (int64_t h = 0; h < group; ++h) {
           const float p = scores[h * n + t - first];
           float* a = acc.data() + h * head_size;
@@ -185,22 +226,36 @@ void decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
   });
 }
 
-// q [reqs, heads, head_size]; key_cache/value_cache [blocks, block_size, kv_heads, head_size];
-// block_tables [reqs, max_blocks] int32; seq_lens [reqs] int32 (the query is the last position);
-// window: attend to the last `window` keys, 0 for all.
+// q [reqs, heads, head_size]; key_cache/value_cache [blocks, block_size, kv_heads, row]: row is head_size values
+// of q's dtype or float8_e4m3fn, or head_size int8 values and their float32 scale; block_tables [reqs, max_blocks]
+// int32; seq_lens [reqs] int32 (the query is the last position); window: attend to the last `window` keys, 0 for
+// all; k_scale/v_scale: an fp8 cache's per-layer scales.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window) {
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                        double k_scale, double v_scale) {
+  const auto cache_type = key_cache.scalar_type();
+  const int64_t row_len = q.size(2) + (cache_type == at::kChar ? int64_t(sizeof(float)) : 0);
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(), "bad shapes");
-  TORCH_CHECK(q.size(1) % key_cache.size(2) == 0 && q.size(2) == key_cache.size(3), "heads do not match the cache");
+  TORCH_CHECK(q.size(1) % key_cache.size(2) == 0 && key_cache.size(3) == row_len, "heads do not match the cache");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "the cache must be contiguous");
+  TORCH_CHECK(value_cache.scalar_type() == cache_type, "the key and value caches must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt, "int32 tables expected");
-  TORCH_CHECK(q.scalar_type() == key_cache.scalar_type(), "q and the cache must share a dtype");
+  TORCH_CHECK(cache_type == q.scalar_type() || cache_type == at::kFloat8_e4m3fn || cache_type == at::kChar,
+              "the cache holds q's dtype, float8_e4m3fn or int8");
   auto query = q.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = at::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    decode<scalar_t>(query, key_cache, value_cache, tables, lens, scale, window, out);
+    if (cache_type == at::kFloat8_e4m3fn) {
+      decode<scalar_t>(query, key_cache, value_cache, tables, lens, scale, window, Fp8{float(k_scale)},
+                       Fp8{float(v_scale)}, out);
+    } else if (cache_type == at::kChar) {
+      decode<scalar_t>(query, key_cache, value_cache, tables, lens, scale, window, Int8{}, Int8{}, out);
+    } else {
+      decode<scalar_t>(query, key_cache, value_cache, tables, lens, scale, window, Plain<scalar_t>{},
+                       Plain<scalar_t>{}, out);
+    }
   });
   return out;
 }
@@ -209,6 +264,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache, const 
 
 TORCH_LIBRARY(fw_attention_torch, m) {
   m.def("paged_decode(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale, int window) -> Tensor");
+        "float scale, int window, float k_scale, float v_scale) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
 }

@@ -1,0 +1,61 @@
+"""The KV-cache dtypes of ``--kv-cache-dtype``, as stored: quantize on write, dequantize on read.
+
+Backends that keep the standard layout (``AttentionBackend.kv_cache_spec``)
+store and read their cache with these functions; native kernels mirror ``read``.
+
+- ``auto``: the model dtype, as is.
+- ``fp8``: float8_e4m3fn holding K / k_scale and V / v_scale, one scale per
+  layer (``AttentionLayerSpec``), saturated at the format's largest value.
+- ``int8``: symmetric int8 with a float32 scale per token and head,
+  absmax / 127 as llama.cpp's q8_0 cache. The scale is stored in the last four
+  bytes of the head's row, so a block, scales included, is one slice of the
+  cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+SCALE_BYTES = 4  # an int8 row's float32 scale
+
+
+def storage(kv_cache_dtype: str, dtype: torch.dtype, row: int) -> tuple[torch.dtype, int]:
+    """The element dtype of the cache and the length of one stored row of ``row`` values."""
+    if kv_cache_dtype == "auto":
+        return dtype, row
+    if kv_cache_dtype == "fp8":
+        return torch.float8_e4m3fn, row
+    if kv_cache_dtype == "int8":
+        if row % SCALE_BYTES:  # the scale is read as a float32 in place: it must be aligned
+            raise ValueError(f"an int8 KV cache needs a head size divisible by {SCALE_BYTES}, got {row}")
+        return torch.int8, row + SCALE_BYTES
+    raise ValueError(f"unknown KV-cache dtype {kv_cache_dtype!r}")
+
+
+def write(part: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
+    """Store ``x`` [T, heads, head_size] at ``slots`` of one part (K or V) of a layer's cache.
+
+    ``scale`` is the layer's per-tensor scale, used by fp8 only.
+    """
+    if part.dtype == torch.float8_e4m3fn:
+        # Saturate explicitly (vLLM's rule): whether a plain cast saturates or overflows to NaN depends on the device.
+        x = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(part.dtype)
+    elif part.dtype == torch.int8:
+        x = x.float()
+        step = x.abs().amax(-1, keepdim=True) / 127
+        inverse = torch.where(step > 0, 1 / step, 0.0)  # an all-zero row stores zeros with scale 0
+        values = (x * inverse).round_().clamp_(-127, 127).to(torch.int8)
+        x = torch.cat([values, step.view(torch.int8)], dim=-1)
+    part.view(-1, *part.shape[-2:])[slots] = x
+
+
+def read(part: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """The entries at ``slots`` (any shape) of one part, dequantized: [*slots.shape, heads, head_size] in ``dtype``."""
+    rows = part.view(-1, *part.shape[-2:])[slots]
+    if part.dtype == torch.float8_e4m3fn:
+        return (rows.float() * scale).to(dtype)
+    if part.dtype == torch.int8:
+        step = rows[..., -SCALE_BYTES:].view(torch.float32)
+        return (rows[..., :-SCALE_BYTES].float() * step).to(dtype)
+    return rows.to(dtype)

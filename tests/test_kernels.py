@@ -1,0 +1,208 @@
+"""Kernel choice by measurement (``fw.kernels``): the mechanism, and every candidate against its reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from fw import kernels
+from fw.layers import dense
+from fw_quant_gguf import method as gguf_method
+from fw_quant_gguf.dequant import row_bytes
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    path = tmp_path / "kernels.json"
+    monkeypatch.setenv("FW_KERNEL_CACHE", str(path))
+    monkeypatch.delenv("FW_KERNELS", raising=False)
+    return path
+
+
+class _Fake:
+    """An operation whose candidates take fixed, fake times per row count, and count how often they run."""
+
+    def __init__(self, monkeypatch, times: dict[str, dict[int, float]], layouts: dict[str, str] | None = None):
+        self.op = kernels.Operation(f"test.fake{id(self)}", reference="a", rows=(1, 32))
+        self.runs = dict.fromkeys(times, 0)
+        self.prepared: list[str] = []
+        layouts = layouts or {}
+        for name in times:
+            self.op.register(kernels.Candidate(
+                name, run=lambda state, x, name=name: self._run(name, x), layout=layouts.get(name, "plain"),
+                prepare=lambda w, name=name: self.prepared.append(name) or f"{w}:{layouts.get(name, 'plain')}"))
+        self.times, self.clock = times, [0.0]
+        monkeypatch.setattr(kernels, "_clock", lambda: self.clock[0])
+
+    def _run(self, name: str, x: torch.Tensor) -> str:
+        self.runs[name] += 1
+        self.clock[0] += self.times[name].get(x.shape[0], 0.0)  # calls after selection cost nothing
+        return name
+
+    def select(self, key=("k",)) -> kernels.Selection:
+        return self.op.select(key, "w", lambda rows: (torch.zeros(rows, 4),))
+
+
+def test_the_fastest_candidate_per_row_class_runs_and_is_cached(cache, monkeypatch):
+    fake = _Fake(monkeypatch, {"a": {1: 1.0, 32: 5.0}, "b": {1: 2.0, 32: 3.0}})
+    selection = fake.select()
+    assert selection.names == ("a", "b")
+    assert selection(torch.zeros(1, 4)) == "a" and selection(torch.zeros(2, 4)) == "a"
+    assert selection(torch.zeros(7, 4)) == "b" and selection(torch.zeros(2, 3, 4)) == "b"  # rows, not the batch dim
+    stored = json.loads(cache.read_text())
+    (entry,) = stored["machines"].values()
+    assert entry["machine"]["cpu"] == kernels.machine()["cpu"]
+    assert entry["choices"][fake.op.name] == {"('k',)": ["a", "b"]}
+
+
+def test_selection_is_deterministic_given_a_cache_file(cache, monkeypatch):
+    fake = _Fake(monkeypatch, {"a": {1: 1.0, 32: 5.0}, "b": {1: 2.0, 32: 3.0}})
+    fake.select()
+    fake.times.update(a={1: 9.0, 32: 9.0}, b={1: 1.0, 32: 1.0})  # the machine now says the opposite
+    fake.runs = dict.fromkeys(fake.runs, 0)
+    kernels._CACHE._data = None  # as a new process would: read the file again
+    assert fake.select().names == ("a", "b")
+    assert fake.runs == {"a": 0, "b": 0}  # nothing timed
+    assert fake.select(("other",)).names == ("b", "b")  # a new shape is measured
+
+
+def test_another_machine_measures_again(cache, monkeypatch):
+    fake = _Fake(monkeypatch, {"a": {1: 1.0, 32: 1.0}, "b": {1: 2.0, 32: 2.0}})
+    fake.select()
+    fake.times.update(a={1: 9.0, 32: 9.0})
+    monkeypatch.setattr(kernels, "_cpu", lambda: ("Another CPU", "avx2 amx_bf16"))
+    assert fake.select().names == ("b", "b")
+    assert len(json.loads(cache.read_text())["machines"]) == 2
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"version": 1, "machines": []}', "[1, 2]", '{"version": 0}',
+                                     '{"version": 1, "machines": {"x": 1}}'])
+def test_a_corrupt_cache_file_is_ignored_and_rebuilt(cache, monkeypatch, content, caplog):
+    cache.write_text(content)
+    kernels._CACHE._data = None
+    fake = _Fake(monkeypatch, {"a": {1: 1.0, 32: 1.0}, "b": {1: 2.0, 32: 2.0}})
+    assert fake.select().names == ("a", "a")
+    stored = json.loads(cache.read_text())
+    assert stored["version"] == kernels.CACHE_VERSION
+    assert any(fake.op.name in m["choices"] for m in stored["machines"].values() if isinstance(m, dict))
+
+
+def test_a_cached_name_no_longer_registered_is_measured_again(cache, monkeypatch):
+    fake = _Fake(monkeypatch, {"a": {1: 1.0, 32: 1.0}, "b": {1: 2.0, 32: 2.0}})
+    kernels._CACHE.store(fake.op.name, ("k",), ("gone", "gone"))
+    assert fake.select().names == ("a", "a")
+
+
+def test_fw_kernels_forces_a_choice(cache, monkeypatch):
+    fake = _Fake(monkeypatch, {"a": {1: 1.0, 32: 1.0}, "b": {1: 2.0, 32: 2.0}})
+    monkeypatch.setenv("FW_KERNELS", "b")
+    assert fake.select().names == ("b", "b")
+    assert fake.runs == {"a": 0, "b": 0}
+    monkeypatch.setenv("FW_KERNELS", f"other.op=a, {fake.op.name}=b")
+    assert fake.select().names == ("b", "b")
+    monkeypatch.setenv("FW_KERNELS", "c")  # no candidate of that name here: measured as usual
+    assert fake.select().names == ("a", "a")
+    monkeypatch.setenv("FW_KERNELS", f"{fake.op.name}=c")
+    with pytest.raises(RuntimeError, match=rf"FW_KERNELS forces {fake.op.name}=c.*can: a, b"):
+        fake.select()
+
+
+def test_a_second_layout_is_kept_only_where_it_pays(cache, monkeypatch):
+    # b's layout is 1.2x faster at 32 rows: not worth a second copy of the weight
+    fake = _Fake(monkeypatch, {"a": {1: 1.0, 32: 1.2}, "b": {1: 2.0, 32: 1.0}}, layouts={"b": "packed"})
+    selection = fake.select()
+    assert selection.names == ("a", "a") and selection.states == ["w:plain"]
+    # 2x faster: worth it
+    fake = _Fake(monkeypatch, {"a": {1: 1.0, 32: 2.0}, "b": {1: 2.0, 32: 1.0}}, layouts={"b": "packed"})
+    selection = fake.select(("k2",))
+    assert selection.names == ("a", "b") and selection.states == ["w:plain", "w:packed"]
+
+
+def test_a_far_slower_candidate_is_timed_once(cache, monkeypatch):
+    fake = _Fake(monkeypatch, {"a": {1: 0.001, 32: 0.001}, "slow": {1: 0.01, 32: 0.01}})
+    fake.select()
+    assert fake.runs["slow"] == 2 * 2  # per row class: the warm-up and one timed call
+    assert fake.runs["a"] > fake.runs["slow"]
+
+
+# Every operation's example weights and inputs: a new operation must add its own here.
+def _dense_examples(op):
+    gen = torch.Generator().manual_seed(0)
+    for out_features, in_features in ((96, 64), (100, 64), (64, 130)):
+        w = (0.1 * torch.randn(out_features, in_features, generator=gen)).bfloat16()
+        bias = torch.randn(out_features, generator=gen).bfloat16()
+        yield w, (lambda rows, n=in_features: (torch.randn(rows, n, generator=gen).bfloat16(),)), (bias,)
+
+
+def _gguf_examples(op):
+    rng = np.random.default_rng(0)
+    in_features = 256
+    for types in ((GGMLQuantizationType.Q4_0,), (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1),
+                  (GGMLQuantizationType.Q5_0,)):
+        shards, offset, data = [], 0, []
+        for qtype, rows in zip(types, (48, 16), strict=False):
+            blocks = quants.quantize(rng.standard_normal((rows, in_features), dtype=np.float32), qtype)
+            width = row_bytes(qtype, in_features)
+            shards.append(gguf_method._Shard(qtype, offset, rows, width))
+            data.append(torch.from_numpy(blocks.reshape(-1).copy()))
+            offset += rows * width
+        blocks = gguf_method._Blocks(torch.cat(data), shards, [v for s in shards for v in (s.offset, s.rows, int(s.qtype))])
+        yield blocks, (lambda rows: (torch.randn(rows, in_features).bfloat16(),)), (None,)
+
+
+EXAMPLES = {"dense.linear": _dense_examples, "dense.logits": _dense_examples, "gguf.linear": _gguf_examples}
+
+
+def test_every_operation_has_examples():
+    real = {name for name in kernels.operations() if not name.startswith("test.")}
+    assert real <= EXAMPLES.keys(), f"operations without examples in this test: {real - EXAMPLES.keys()}"
+
+
+@pytest.mark.parametrize("op_name", sorted(EXAMPLES))
+def test_every_candidate_matches_the_reference_on_every_row_class(op_name):
+    op = kernels.operations()[op_name]
+    extra_args = op_name != "dense.logits"  # the LM head has no bias
+    checked = set()
+    for weight, sample, extra in EXAMPLES[op_name](op):
+        reference = op.candidates[op.reference]
+        key = _key(op_name, weight)
+        for candidate in op.supported(key):
+            state, ref_state = candidate.prepare(weight), reference.prepare(weight)
+            for rows in (*op.rows, 0, 3):
+                (x,) = sample(rows)
+                args = extra if extra_args else ()
+                out, ref = candidate.run(state, x, *args), reference.run(ref_state, x, *args)
+                assert out.dtype == ref.dtype and out.shape == ref.shape, (candidate.name, rows)
+                # The same products summed in another order, in bf16 or float32
+                tol = 1e-4 if ref.dtype == torch.float32 else 3e-2
+                torch.testing.assert_close(out.float(), ref.float(), atol=tol * 4, rtol=tol, msg=candidate.name)
+            checked.add(candidate.name)
+    assert op.reference in checked
+    if shutil.which("c++") and os.environ.get("FW_NATIVE", "1") != "0":  # fw's portable kernels build anywhere
+        assert NATIVE.get(op_name, set()) <= checked
+
+
+# The native candidates every CPU with a compiler runs.
+NATIVE = {"dense.logits": {"fw-portable"}, "gguf.linear": {"fw"}}
+
+
+def _key(op_name: str, weight) -> tuple:
+    if op_name.startswith("dense"):
+        return dense._key(weight)
+    shards = tuple((s.qtype.name, s.rows) for s in weight.chunks)
+    return shards, 256, "bfloat16", "cpu"
+
+
+def test_the_dense_candidates_this_cpu_runs(cache):
+    """The candidates' own ``supports`` agree with what the machine has: a wrong one would crash or be skipped."""
+    key = (96, 64, "bfloat16")
+    names = {c.name for c in dense.LINEAR.supported(key)}
+    assert {"torch", "torch-fp32"} <= names
+    assert ("onednn" in names) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert {c.name for c in dense.LINEAR.supported((96, 64, "float32"))} == {"torch"}
