@@ -1,12 +1,17 @@
 """Every built-in plugin passes the same conformance suite a third-party author runs."""
 
+from functools import partial
+
 from fw.testing.conformance import (
     AttentionConformance,
     CommConformance,
     KVConnectorConformance,
     QuantConformance,
+    QuantFixture,
     SamplerConformance,
+    plain_checkpoint,
 )
+from fw_quant_fp8 import testing as fp8
 
 
 class TestTorchAttention(AttentionConformance):
@@ -19,6 +24,24 @@ class TestFlashInferAttention(AttentionConformance):
 
 class TestUnquantized(QuantConformance):
     plugin = "none"
+
+
+class TestFp8(QuantConformance):
+    plugin = "fp8"
+    # Weight-only, so that the layers compute with exactly the dequantized weights (W8A8 is tested against
+    # references in test_quant_fp8.py). FP8 e4m3 keeps a random Gaussian layer within about 2.5%.
+    options = {"activations": "none"}
+    fixtures = {
+        "none": QuantFixture(plain_checkpoint, fp8.rounded_at_load, 0.04),
+        "compressed-tensors-fp8": QuantFixture(partial(fp8.write_checkpoint, activations=None), fp8.dequantized, 0.04),
+        "fp8": QuantFixture(partial(fp8.write_checkpoint, kind="fp8", activations="static"), fp8.dequantized, 0.04),
+    }
+
+
+class TestFp8Blocks(TestFp8):
+    # DeepSeek-V3 blocks, small enough that the tiny model's matrices hold several, and partial ones.
+    fixtures = {**TestFp8.fixtures, "fp8": QuantFixture(partial(fp8.write_checkpoint, kind="block", block=(32, 48)),
+                                                       fp8.dequantized, 0.04)}
 
 
 class TestTorchComm(CommConformance):

@@ -13,6 +13,8 @@ from gguf import GGMLQuantizationType, quants
 
 from fw import kernels
 from fw.layers import dense
+from fw_quant_fp8 import method as fp8_method
+from fw_quant_fp8.numerics import quantize_rows
 from fw_quant_gguf import method as gguf_method
 from fw_quant_gguf.dequant import row_bytes
 
@@ -22,6 +24,7 @@ def cache(tmp_path, monkeypatch):
     path = tmp_path / "kernels.json"
     monkeypatch.setenv("FW_KERNEL_CACHE", str(path))
     monkeypatch.delenv("FW_KERNELS", raising=False)
+    monkeypatch.setattr(kernels, "_others_share", lambda before, after: 0.0)  # a quiet machine
     return path
 
 
@@ -93,6 +96,24 @@ def test_a_corrupt_cache_file_is_ignored_and_rebuilt(cache, monkeypatch, content
     assert any(fake.op.name in m["choices"] for m in stored["machines"].values() if isinstance(m, dict))
 
 
+def test_a_choice_timed_on_a_busy_machine_serves_the_run_but_is_not_cached(cache, monkeypatch, caplog):
+    fake = _Fake(monkeypatch, {"a": {1: 1.0, 32: 1.0}, "b": {1: 2.0, 32: 2.0}})
+    monkeypatch.setattr(kernels, "_others_share", lambda before, after: 0.5)
+    assert fake.select().names == ("a", "a")
+    assert not cache.exists() and "other processes used 50%" in caplog.text
+    fake.times.update(a={1: 9.0, 32: 9.0})
+    assert fake.select().names == ("a", "a")  # this process keeps it: its layers of one shape agree
+
+
+def test_other_processes_share_excludes_this_process(monkeypatch):
+    monkeypatch.setattr(kernels.os, "sysconf", lambda name: 100)  # jiffies per second
+    # 200 of 200 jiffies busy, 1 s (100 jiffies) of them this process's: others took half the machine
+    assert kernels._others_share((100, 1000, 0.0), (300, 1200, 1.0)) == 0.5
+    assert kernels._others_share((100, 1000, 0.0), (300, 1200, 2.0)) == 0.0  # all of it ours
+    assert kernels._others_share(None, (300, 1200, 2.0)) == 0.0  # no /proc/stat: trusted
+    assert kernels._cpu_times() is None or len(kernels._cpu_times()) == 3
+
+
 def test_a_cached_name_no_longer_registered_is_measured_again(cache, monkeypatch):
     fake = _Fake(monkeypatch, {"a": {1: 1.0, 32: 1.0}, "b": {1: 2.0, 32: 2.0}})
     kernels._CACHE.store(fake.op.name, ("k",), ("gone", "gone"))
@@ -156,7 +177,19 @@ def _gguf_examples(op):
         yield blocks, (lambda rows: (torch.randn(rows, in_features).bfloat16(),)), (None,)
 
 
-EXAMPLES = {"dense.linear": _dense_examples, "dense.logits": _dense_examples, "gguf.linear": _gguf_examples}
+def _fp8_examples(op):
+    gen = torch.Generator().manual_seed(0)
+    for out_features, in_features, group in ((96, 64, None), (100, 200, 64)):
+        weight, scale = quantize_rows(torch.randn(out_features, in_features, generator=gen))
+        if group:  # block scales: one per row and group of input features
+            scale = scale * torch.rand(out_features, -(-in_features // group), generator=gen)
+        bias = torch.randn(out_features, generator=gen).bfloat16()
+        yield (fp8_method.Fp8Weight(weight, scale, group),
+               (lambda rows, n=in_features: (torch.randn(rows, n, generator=gen).bfloat16(),)), (bias,))
+
+
+EXAMPLES = {"dense.linear": _dense_examples, "dense.logits": _dense_examples, "gguf.linear": _gguf_examples,
+            "fp8.linear": _fp8_examples}
 
 
 def test_every_operation_has_examples():
@@ -189,12 +222,14 @@ def test_every_candidate_matches_the_reference_on_every_row_class(op_name):
 
 
 # The native candidates every CPU with a compiler runs.
-NATIVE = {"dense.logits": {"fw-portable"}, "gguf.linear": {"fw"}}
+NATIVE = {"dense.logits": {"fw-portable"}, "gguf.linear": {"fw"}, "fp8.linear": {"fw"}}
 
 
 def _key(op_name: str, weight) -> tuple:
     if op_name.startswith("dense"):
         return dense._key(weight)
+    if op_name == "fp8.linear":
+        return (*weight.weight.shape, weight.group, "bfloat16", "cpu")
     shards = tuple((s.qtype.name, s.rows) for s in weight.chunks)
     return shards, 256, "bfloat16", "cpu"
 

@@ -114,6 +114,18 @@ def test_cuda_only_backend_on_cpu_reports_every_reason_and_alternatives(plain):
     assert "usable attention plugins here: torch" in err
 
 
+def test_fp8_with_flashinfer_on_cpu_lists_every_reason(plain):
+    result = run_fw("plugins", "check", "--quant", "fp8", "--attention", "flashinfer", "--device", "cpu",
+                    "--dtype", "float32", "--model", plain)
+    assert result.returncode == 1
+    err = result.stderr
+    assert "needs device cuda, got cpu" in err and "does not support dtype float32" in err
+    assert "usable attention plugins here: torch" in err
+    assert "quant plugin 'fp8'" not in err  # fp8 itself runs here
+    fp8 = {(r["kind"], r["name"]): r for r in listed()}[("quant", "fp8")]
+    assert fp8["status"] == "ok" and fp8["distribution"] == "fw-quant-fp8"
+
+
 def test_unsupported_kv_cache_dtype_is_rejected(plain):
     result = run_fw("plugins", "check", "--kv-cache-dtype", "fp8_e5m2", "--device", "cpu", "--model", plain)
     assert result.returncode != 0
@@ -337,7 +349,7 @@ def test_installing_a_plugin_never_changes_what_auto_picks(neighbours, plain, mo
     assert result.ok, result.problems
     assert result.selected["quant"].name == "none" and result.selected["attention"].name == "torch"
     assert result.selected["models"].name == "llama"
-    assert "also fit: int8 (0), probe (0)" in result.reasons["quant"]
+    assert "also fit: fp8 (9), int8 (0), probe (0)" in result.reasons["quant"]
     # Asked for by name, the plugin runs.
     assert check_plain(plain, quant={"name": "int8"}).selected["quant"].name == "int8"
     # A higher priority, declared explicitly, is how a plugin becomes the default ...

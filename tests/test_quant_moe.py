@@ -180,3 +180,14 @@ def test_second_rank_holds_its_half_of_each_expert_and_scale(monkeypatch):
     assert torch.equal(layer.w13_weight_scale[1], torch.cat([scales["w1"][half], scales["w3"][half]]))
     assert torch.equal(layer.w2_weight[1], full["w2"][:, half])
     assert torch.equal(layer.w2_weight_scale[1], scales["w2"])  # per output row of down: not split
+
+
+def test_a_quantized_tensor_never_loads_silently_into_a_float_parameter(tmp_path):
+    """A plugin without a method for a layer (here: none, on fp8 experts) must fail, not drop the scales."""
+    plain = make_tiny_model("MixtralForCausalLM", tmp_path / "plain")
+    tensors = dict(iter_safetensors(plain))
+    name = next(n for n in tensors if ".experts.0.w1." in n)
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, plain / "model.safetensors")
+    with pytest.raises(ValueError, match=r"a float8_e4m3fn checkpoint tensor cannot load into a float32 parameter"):
+        load(plain, Unquantized(), iter_safetensors(plain))

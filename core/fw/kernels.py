@@ -47,6 +47,7 @@ LAYOUT_GAIN = 1.25  # a second weight layout must be this much faster for its ro
 MEASURE_S = 0.02  # time per candidate and row class (at least one call, at most MAX_CALLS)
 MAX_CALLS = 5
 SLOWER_CUTOFF = 3.0  # a candidate this much slower than the best on its first call is not timed again
+BUSY_SHARE = 0.1  # a choice timed while other processes took more of the CPUs than this is not cached
 CACHE_VERSION = 1
 _clock = time.perf_counter  # tests replace it
 
@@ -132,10 +133,18 @@ class Operation:
                                    f"(can: {', '.join(usable)})")
             names = (forced,) * len(self.rows)
         else:
-            names = _CACHE.lookup(self.name, key)
+            names = _UNCACHED.get((self.name, key)) or _CACHE.lookup(self.name, key)
             if names is None or len(names) != len(self.rows) or not set(names) <= usable.keys():
+                before = _cpu_times()
                 names = self._measure(key, weight, sample, usable)
-                _CACHE.store(self.name, key, names)
+                others = _others_share(before, _cpu_times())
+                if others <= BUSY_SHARE:
+                    _CACHE.store(self.name, key, names)
+                else:  # kept for this process, so that its layers of one shape still agree
+                    _UNCACHED[(self.name, key)] = names
+                    logger.warning("%s %s: other processes used %.0f%% of the CPUs while fw timed kernels; the "
+                                   "choice serves this process only and is measured again next time", self.name,
+                                   key, 100 * others)
         return self._build(key, weight, names, usable)
 
     def _build(self, key: tuple, weight: Any, names: Sequence[str], usable: dict[str, Candidate]) -> Selection:
@@ -190,6 +199,26 @@ def _once(call: Callable[[], Any]) -> float:
     start = _clock()
     call()
     return _clock() - start
+
+
+def _cpu_times() -> tuple[int, int, float] | None:
+    """(busy, total) jiffies of the whole machine and this process's CPU seconds; None off Linux."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    own = os.times()
+    return sum(fields) - idle, sum(fields), own.user + own.system
+
+
+def _others_share(before: tuple[int, int, float] | None, after: tuple[int, int, float] | None) -> float:
+    """The share of the machine's CPU time that other processes took between two ``_cpu_times``: a timing
+    taken then says more about them than about the kernels (on 2 cores one busy neighbour reversed choices)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return 0.0
+    ours = (after[2] - before[2]) * os.sysconf("SC_CLK_TCK")
+    return max(0.0, (after[0] - before[0] - ours) / (after[1] - before[1]))
 
 
 def _fewest_layouts(times: list[dict[str, float]], usable: dict[str, Candidate]) -> tuple[str, ...]:
@@ -312,6 +341,7 @@ class _Cache:
 
 _OPERATIONS: dict[str, Operation] = {}
 _CHOSEN: dict[tuple[str, tuple], tuple[str, ...]] = {}
+_UNCACHED: dict[tuple[str, tuple], tuple[str, ...]] = {}  # choices timed on a busy machine
 _CACHE = _Cache()
 
 

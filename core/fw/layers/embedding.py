@@ -16,7 +16,7 @@ from torch import nn
 
 from fw.distributed import get_tp_group
 from fw.layers import dense
-from fw.layers.utils import check_shape
+from fw.layers.utils import check_dtype, check_shape
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -32,6 +32,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         check_shape((self.num_embeddings, param.shape[1]), loaded, "vocabulary embedding")
+        check_dtype(param, loaded, "vocabulary embedding")
         rows = self.vocab_end - self.vocab_start
         param.data[:rows].copy_(loaded[self.vocab_start : self.vocab_end])
         param.data[rows:].zero_()

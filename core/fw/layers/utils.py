@@ -28,6 +28,20 @@ def check_shape(expected: tuple[int, ...], loaded: torch.Tensor, what: str = "")
         )
 
 
+_PLAIN_FLOATS = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+
+
+def check_dtype(param: torch.Tensor, loaded: torch.Tensor, what: str = "") -> None:
+    """Plain floats convert into one another; anything else (fp8, int8, packed ints) only loads into a
+    parameter of its own dtype: a quantized tensor copied into a float parameter would lose its scales
+    silently (a quant plugin without a method for that layer, e.g. no ``get_moe_method`` for experts)."""
+    if loaded.dtype != param.dtype and not {loaded.dtype, param.dtype} <= _PLAIN_FLOATS:
+        where = f" ({what})" if what else ""
+        raise ValueError(f"a {str(loaded.dtype).removeprefix('torch.')} checkpoint tensor cannot load into a "
+                         f"{str(param.dtype).removeprefix('torch.')} parameter{where}: the quant plugin in use "
+                         "does not handle this tensor's format")
+
+
 def load_shard(
     dst: torch.Tensor,
     loaded: torch.Tensor,
@@ -56,12 +70,14 @@ def load_shard(
         size = dst.shape[input_dim]
         loaded = loaded.narrow(input_dim, input_rank * size, size)
     check_shape(dst.shape, loaded, what)
+    check_dtype(dst, loaded, what)
     dst.copy_(loaded)
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: Any = None) -> None:
     """Copy a replicated (unsharded, unfused) tensor as is."""
     check_shape(param.shape, loaded)
+    check_dtype(param, loaded)
     param.data.copy_(loaded)
 
 

@@ -82,6 +82,54 @@ void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, in
   if (b < blocks) block(b, acc[0], off[0]);
   for (int m = 0; m < M; ++m) y[m * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m])) + off[0][m] + off[1][m];
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The integer weights of a block as floats, eight elements per vector (0-7, 8-15, 16-23, 24-31).
+inline void block_vectors(const uint8_t* blk, int64_t qtype, __m256 v[4]) {
+  if (qtype == Q8_0) {
+    for (int k = 0; k < 4; ++k)
+      v[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * k))));
+    return;
+  }
+  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (qtype == Q4_0 ? 2 : 4)));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  const __m128i lo = _mm_and_si128(qs, mask), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+  v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+inline float reduce_add(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// As the AVX-512 version, with one set of accumulators: 16 registers hold M <= 8 of them and a block.
+template <int M>
+void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
+             int64_t bb, int64_t K, int64_t qtype) {
+  __m256 acc[M];
+  float off[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), off[m] = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = row + b * bb;
+    const float d = half(blk), offset = block_offset(blk, qtype, d);
+    __m256 v[4];
+    block_vectors(blk, qtype, v);
+    const __m256 dv = _mm256_set1_ps(d);
+    for (int m = 0; m < M; ++m) {
+      const float* xb = x + m * K + b * kBlock;
+      __m256 dot = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+      dot = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), dot);
+      dot = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), dot);
+      dot = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), dot);
+      acc[m] = _mm256_fmadd_ps(dot, dv, acc[m]);
+      off[m] += offset * xsum[m * blocks + b];
+    }
+  }
+  for (int m = 0; m < M; ++m) y[m * ldy] = reduce_add(acc[m]) + off[m];
+}
 #else
 template <int M>
 void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,

@@ -1,0 +1,30 @@
+"""Hook implementations: name compressed-tensors checkpoints whose weights are FP8, so that auto picks this plugin.
+
+compressed-tensors is one ``quant_method`` for many schemes (INT4/INT8 packed, FP8, NVFP4); this claims only the
+float-quantized 8-bit ones. Light: imports nothing heavy, as every hooks plugin is imported whenever fw starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fw import hookimpl
+
+FORMAT = "compressed-tensors-fp8"
+
+
+def is_fp8_compressed_tensors(quant_config: dict[str, Any]) -> bool:
+    """Every config group quantizes weights to 8-bit floats (what ``format: float-quantized`` stores)."""
+    if quant_config.get("quant_method") != "compressed-tensors":
+        return False
+    groups = (quant_config.get("config_groups") or {}).values()
+    return bool(groups) and all(
+        (g.get("weights") or {}).get("type") == "float" and (g.get("weights") or {}).get("num_bits") == 8
+        for g in groups
+    )
+
+
+@hookimpl
+def fw_detect_quant_format(model_path: str, hf_config: dict[str, Any] | None) -> str | None:
+    quant_config = (hf_config or {}).get("quantization_config") or {}
+    return FORMAT if is_fp8_compressed_tensors(quant_config) else None

@@ -1,0 +1,190 @@
+"""FP8 linear layers: the weight stays float8 in memory and is widened inside the product.
+
+Parameters are named after the checkpoint tensors' leaves: ``weight`` (float8 ``[out, in]``; the float weight of
+a plain checkpoint, quantized once loaded), the weight scale (``weight_scale`` / ``weight_scale_inv``) and, for
+static activation scales, ``input_scale``. Every weight scale is held as float32 ``[out, groups]``, one row per
+output row: a per-tensor scale of a fused sub-matrix (q, k, v) is repeated over its rows and a block scale over
+its block's rows, so fused layers keep each sub-matrix's exact numerics. ``input_scale`` keeps one scale per
+sub-matrix; where they differ, each sub-matrix's rows see their own quantization of the input, as in the
+reference, which quantizes the input of each checkpoint module separately.
+
+Products (``fw.kernels`` operation ``fp8.linear``, chosen per CPU, shape and row count by timing): ``torch``
+widens the weight into the activation dtype and multiplies, ``torch-fp32`` into float32 (bf16 GEMMs are several
+times slower on CPUs without bf16 arithmetic), and ``fw`` (``csrc/gemv.cpp``, CPU) widens each weight in
+registers as it reads it, at one byte a weight: the decode-sized choice. The weight is widened a chunk of rows at a time, so the float
+temporaries stay small; W8A8 schemes quantize the input first (``numerics.quantize_input``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fw import kernels, native
+from fw.interfaces.quant import LinearMethod, LinearSpec, MoEMethod, MoESpec, QuantMethod
+from fw.layers.moe import UnquantizedMoEMethod
+from fw.model_loader import ModelLoadError
+from fw_quant_fp8.numerics import FP8, dequantize, quantize_input, quantize_rows
+from fw_quant_fp8.scheme import Scheme, Schemes
+from fw_quant_none.method import UnquantizedLinearMethod
+
+_SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"
+# Weights widened at a time in a product: 4 MiB of float32 stays in cache and in the allocator's pool (larger
+# temporaries are mapped afresh every call: 8x slower at one row on an AVX2 EPYC, see fw.layers.dense).
+_CHUNK_WEIGHTS = 1 << 20
+
+
+def new_param(shape: tuple[int, ...], dtype: torch.dtype, output_dim: int | None, input_dim: int | None) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    param.output_dim, param.input_dim = output_dim, input_dim
+    return param
+
+
+def check_blocks(scheme: Scheme, in_features: int, split: bool, what: str) -> None:
+    group = scheme.group()
+    if group and split and in_features % group:
+        raise ModelLoadError(f"{what}: this rank's {in_features} input features are not whole {group}-wide "
+                             "scale blocks; use a tensor-parallel size that splits them on block boundaries")
+
+
+def load_scale(scheme: Scheme, place: Callable[..., None], rows_needed: Callable[[Any], int],
+               param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    """A checkpoint weight scale as float32 rows ``[rows, groups]`` of its sub-matrix, placed by the layer's own
+    loader (``place``) like the weight's rows. ``rows_needed(shard_id)``: how many of the sub-matrix's rows that
+    loader reads (up to the end of this rank's slice)."""
+    loaded = loaded.float()
+    if scheme.weights == "tensor":
+        rows = loaded.reshape(1, 1).expand(rows_needed(shard_id), 1)
+    elif scheme.weights == "channel":
+        rows = loaded.reshape(-1, 1)
+    else:
+        rows = loaded.repeat_interleave(scheme.block[0], dim=0)[: rows_needed(shard_id)]
+    place(param, rows, shard_id)
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """Rows of a layer's weight as its kernels read them."""
+
+    weight: torch.Tensor  # float8 [rows, in]
+    scale: torch.Tensor  # float32 [rows, groups]
+    group: int | None  # input features per scale; None: one per row
+
+
+def _product(w: Fp8Weight, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    x = x.to(dtype)
+    step = max(1, _CHUNK_WEIGHTS // w.weight.shape[1])
+    parts = [F.linear(x, dequantize(w.weight[i : i + step], w.scale[i : i + step], w.group, dtype))
+             for i in range(0, w.weight.shape[0], step)]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return out if bias is None else out + bias.to(dtype)
+
+
+def _native(w: Fp8Weight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    group = w.group or w.weight.shape[1]
+    out = torch.ops.fw_quant_fp8.fp8_gemv(x.reshape(rows, x.shape[-1]), w.weight.view(torch.uint8), w.scale, group)
+    out = out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+PRODUCT = kernels.Operation("fp8.linear", reference="torch")
+PRODUCT.register(kernels.Candidate(
+    "fw", _native, supports=lambda key: key[4] == "cpu" and native.load("fw_quant_fp8", _SOURCE)))
+PRODUCT.register(kernels.Candidate("torch", lambda w, x, bias=None: _product(w, x, bias, x.dtype)))
+PRODUCT.register(kernels.Candidate(
+    "torch-fp32", lambda w, x, bias=None: _product(w, x, bias, torch.float32).to(x.dtype),
+    supports=lambda key: key[3] == "bfloat16"))
+
+
+def select_product(w: Fp8Weight, dtype: torch.dtype) -> kernels.Selection:
+    rows, width = w.weight.shape
+    key = (rows, width, w.group, str(dtype).removeprefix("torch."), w.weight.device.type)
+    return PRODUCT.select(key, w, lambda n: (torch.randn(n, width, dtype=dtype, device=w.weight.device),))
+
+
+class Fp8LinearMethod(LinearMethod):
+    def __init__(self, scheme: Scheme) -> None:
+        self.scheme = scheme
+
+    def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
+        scheme, rows, width = self.scheme, sum(spec.output_sizes), spec.input_size
+        self.sizes, self.dtype = spec.output_sizes, spec.params_dtype
+        layer.register_parameter("weight", new_param((rows, width), spec.params_dtype if scheme.online else FP8, 0, 1))
+        if scheme.online:
+            return
+        check_blocks(scheme, width, spec.input_is_parallel and spec.tp_size > 1, spec.prefix)
+        group = scheme.group()
+        scale = new_param((rows, -(-width // group) if group else 1), torch.float32, 0, 1 if group else None)
+
+        def rows_needed(shard_id: Any) -> int:
+            idx = spec.shard_index(shard_id)
+            size = spec.output_sizes[idx]
+            return (spec.shard_rank(idx) + 1) * size if spec.output_is_parallel else size
+
+        scale.weight_loader = partial(load_scale, scheme, layer.weight_loader, rows_needed)
+        layer.register_parameter(scheme.scale_name, scale)
+        if scheme.input_scales:
+            input_scale = new_param((len(spec.output_sizes),), torch.float32, None, None)
+            input_scale.weight_loader = lambda p, t, shard_id=None: p.data[spec.shard_index(shard_id)].copy_(
+                t.reshape(()))
+            layer.register_parameter("input_scale", input_scale)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        scheme = self.scheme
+        if scheme.online:
+            weight, scale = quantize_rows(layer.weight)
+            del layer.weight
+            layer.register_buffer("weight", weight, persistent=False)
+            layer.register_buffer("weight_scale", scale, persistent=False)
+        else:
+            weight, scale = layer.weight.data, getattr(layer, scheme.scale_name).data
+        # Runs of adjacent sub-matrices that quantize the input alike: one product each.
+        statics = layer.input_scale.tolist() if scheme.activations == "static" else [None] * len(self.sizes)
+        runs: list[list[Any]] = []  # [first row, end row, input scale]
+        start = 0
+        for size, input_scale in zip(self.sizes, statics, strict=True):
+            if runs and runs[-1][2] == input_scale:
+                runs[-1][1] += size
+            else:
+                runs.append([start, start + size, input_scale])
+            start += size
+        self.runs = [
+            (slice(lo, hi), None if s is None else torch.tensor(s, device=weight.device),
+             select_product(Fp8Weight(weight[lo:hi], scale[lo:hi], scheme.group()), self.dtype))
+            for lo, hi, s in runs
+        ]
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        scheme = self.scheme
+        if scheme.activations == "dynamic":
+            x = quantize_input(x, None, scheme.activation_group)
+        outs = []
+        for rows, input_scale, product in self.runs:
+            xq = x if input_scale is None else quantize_input(x, input_scale)
+            outs.append(product(xq, None if bias is None else bias[rows]))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+class Fp8Method(QuantMethod):
+    def __init__(self, options: Any = None, quant_config: dict[str, Any] | None = None) -> None:
+        super().__init__(options, quant_config)
+        self.schemes = Schemes(self.quant_config, options.activations if options is not None else "auto")
+
+    def get_linear_method(self, spec: LinearSpec) -> LinearMethod:
+        scheme = self.schemes.common(spec.checkpoint_names, spec.prefix)
+        return UnquantizedLinearMethod() if scheme is None else Fp8LinearMethod(scheme)
+
+    def get_moe_method(self, spec: MoESpec) -> MoEMethod:
+        from fw_quant_fp8.moe import Fp8MoEMethod
+
+        names = tuple(f"{spec.checkpoint_prefix}.{e}.{p}" for e in range(spec.num_experts) for p in spec.projections)
+        scheme = self.schemes.common(names, spec.prefix)
+        return UnquantizedMoEMethod() if scheme is None else Fp8MoEMethod(scheme)
