@@ -23,6 +23,7 @@ import fw_quant_gguf.method
 from fw import LLM, SamplingParams, model_registry
 from fw.forward_context import set_forward_context
 from fw.interfaces.attention import AttentionBatch
+from fw.layers import dense
 from fw.model_loader import load_model
 from fw.model_registry import ModelError
 from fw.models.base import HFConfig, ModelContext
@@ -297,7 +298,7 @@ def mixed(tiny, tmp_path_factory):
 def test_mixed_types_within_fused_layers(mixed, monkeypatch):
     path, expected = mixed
     # Dequantize 20 rows at a time: chunks that split shards and end mid-shard.
-    monkeypatch.setattr(fw_quant_gguf.method, "_CHUNK_WEIGHTS", 20 * 64)
+    monkeypatch.setattr(dense, "WIDEN_CHUNK", 20 * 64)
     model = load_gguf(path)
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.uint8 and [s.qtype for s in qkv.linear_method.shards] == [Q.Q8_0, Q.Q4_0, Q.Q5_1]

@@ -52,7 +52,7 @@ def test_lm_head_product_is_float32_on_every_path(rows, monkeypatch, tmp_path):
         assert "fw-portable" in tried
     _check(dense.logits(x.float(), w.float()), ref)  # a float32 model
     with monkeypatch.context() as m:  # off the CPU: the bf16 weight widened a chunk at a time
-        m.setattr(dense, "_CHUNK_WEIGHTS", 1000 * 576)
+        m.setattr(dense, "WIDEN_CHUNK", 1000 * 576)
         _check(dense.logits(x, w.clone()), ref)
 
 

@@ -280,8 +280,8 @@ def machine() -> dict[str, Any]:
 
 def relevant_flags(flags: str) -> str:
     """The vector and matrix extensions among ``flags``: what decides between kernels."""
-    keep = ("avx", "amx", "fma", "f16c", "vnni", "sve", "neon", "asimd")
-    return " ".join(f for f in flags.split() if f.startswith(keep) or any(k in f for k in ("vnni", "bf16", "fp16")))
+    prefixes, parts = ("avx", "amx", "fma", "f16c", "sve", "neon", "asimd"), ("vnni", "bf16", "fp16", "i8mm")
+    return " ".join(f for f in flags.split() if f.startswith(prefixes) or any(p in f for p in parts))
 
 
 class _Cache:

@@ -33,9 +33,10 @@ from fw import kernels, native
 
 _SOURCE = Path(__file__).parent.parent / "csrc" / "dense.cpp"
 COLUMNS = 16  # output columns per block of fw's layout
-# Weights widened to float32 at a time: 4 MiB stays in cache and in the allocator's pool (64 MiB chunks,
-# mapped and faulted in afresh on every call, made widening 8x slower at one row on an AVX2 EPYC).
-_CHUNK_WEIGHTS = 1 << 20
+# Weights widened to float32 at a time, here and by quant plugins that widen theirs: 4 MiB stays in cache and
+# in the allocator's pool (64 MiB chunks, mapped and faulted in afresh on every call, made widening 8x slower
+# at one row on an AVX2 EPYC).
+WIDEN_CHUNK = 1 << 20
 
 LINEAR = kernels.Operation("dense.linear", reference="torch")
 LOGITS = kernels.Operation("dense.logits", reference="torch")
@@ -85,7 +86,7 @@ def _flat(fn):
 
 def widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ b)`` in float32 from a weight of any float dtype, widened a chunk of rows at a time."""
-    rows = max(1, _CHUNK_WEIGHTS // weight.shape[1])
+    rows = max(1, WIDEN_CHUNK // weight.shape[1])
     xf = x.float()
     out = torch.cat([F.linear(xf, chunk.float()) for chunk in weight.split(rows)], dim=-1)
     return out if bias is None else out + bias.float()

@@ -29,6 +29,7 @@ from torch import nn
 
 from fw import kernels, native
 from fw.interfaces.quant import LinearMethod, LinearSpec, MoEMethod, MoESpec, QuantMethod
+from fw.layers import dense
 from fw.layers.moe import UnquantizedMoEMethod
 from fw.model_loader import ModelLoadError
 from fw_quant_fp8.numerics import FP8, dequantize, quantize_input, quantize_rows
@@ -36,9 +37,6 @@ from fw_quant_fp8.scheme import Scheme, Schemes
 from fw_quant_none.method import UnquantizedLinearMethod
 
 _SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"
-# Weights widened at a time in a product: 4 MiB of float32 stays in cache and in the allocator's pool (larger
-# temporaries are mapped afresh every call: 8x slower at one row on an AVX2 EPYC, see fw.layers.dense).
-_CHUNK_WEIGHTS = 1 << 20
 
 
 def new_param(shape: tuple[int, ...], dtype: torch.dtype, output_dim: int | None, input_dim: int | None) -> nn.Parameter:
@@ -80,7 +78,7 @@ class Fp8Weight:
 
 def _product(w: Fp8Weight, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     x = x.to(dtype)
-    step = max(1, _CHUNK_WEIGHTS // w.weight.shape[1])
+    step = max(1, dense.WIDEN_CHUNK // w.weight.shape[1])
     parts = [F.linear(x, dequantize(w.weight[i : i + step], w.scale[i : i + step], w.group, dtype))
              for i in range(0, w.weight.shape[0], step)]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)

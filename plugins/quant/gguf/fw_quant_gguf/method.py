@@ -44,8 +44,6 @@ from fw.tokenizer import Tokenizer
 from fw_quant_gguf import checkpoint, tokenizer
 from fw_quant_gguf.dequant import FLOAT_TYPES, dequantize, row_bytes
 
-# Weights dequantized at a time in apply(): bounds the float temporaries of a large layer (64 MiB in fp32).
-_CHUNK_WEIGHTS = 1 << 24
 # The types the native kernel (csrc/gemv.cpp) decodes.
 _NATIVE_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
 _SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"
@@ -72,7 +70,7 @@ class GGUFLinearMethod(LinearMethod):
         self.shard_types = shard_types
         self.dense = dequantize_at_load or all(t in FLOAT_TYPES for t in shard_types)
         self.shards: list[_Shard] = []
-        # What apply() dequantizes at a time: rows of adjacent shards of one type, at most _CHUNK_WEIGHTS weights.
+        # What apply() dequantizes at a time: rows of adjacent shards of one type, at most dense.WIDEN_CHUNK weights.
         self.chunks: list[_Shard] = []
 
     def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
@@ -94,7 +92,7 @@ class GGUFLinearMethod(LinearMethod):
                     raise ModelLoadError(f"{spec.prefix}: {exc}{split if spec.input_is_parallel else ''}") from None
                 self.shards.append(_Shard(qtype, offset, rows, width))
                 offset += rows * width
-            step = max(1, _CHUNK_WEIGHTS // input_size)
+            step = max(1, dense.WIDEN_CHUNK // input_size)
             for qtype, group in groupby(self.shards, key=lambda s: s.qtype):
                 group = list(group)
                 rows, width = sum(s.rows for s in group), group[0].row_bytes
