@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from fw.testing.models import make_tiny_model
@@ -22,6 +23,10 @@ from fw.testing.models import make_tiny_model
 # Kernel choices (fw.kernels) are measured afresh for this run, in every process it starts, not read from or
 # written to the user's cache.
 os.environ["FW_KERNEL_CACHE"] = str(Path(tempfile.mkdtemp(prefix="fw-kernels-")) / "kernels.json")
+
+# Without a GPU, Triton kernels run in Triton's interpreter; it must be on before any kernel is decorated.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -120,3 +125,45 @@ def metric_values(base: str) -> dict[str, float]:
 def tiny(tmp_path_factory):
     """A tiny random-weight Llama with a real tokenizer, built once per test module."""
     return str(make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("srv") / "llama"))
+
+
+# --- quant plugin tests: the same prompts and greedy runs against every reference ---------------------------------
+
+QUANT_PROMPTS = ["The quick brown fox", "Hello, world! How"]
+
+
+def load_layers(path, quant, weights=None):
+    """A checkpoint's model with ``quant``'s layers in float32 and no attention backend: its layers run alone."""
+    from fw import model_registry
+    from fw.model_loader import iter_safetensors, load_model
+    from fw.models.base import HFConfig, ModelContext
+
+    config = model_registry.read_hf_config(str(path))
+    ctx = ModelContext(dtype=torch.float32, quant=quant, attention=None)
+    return load_model(model_registry.resolve(config).load(), HFConfig(config), ctx,
+                      weights if weights is not None else iter_safetensors(path))
+
+
+def fw_greedy(path, **kwargs) -> list[list[int]]:
+    """16 greedy tokens of each of QUANT_PROMPTS from fw (float32 unless ``dtype`` says otherwise)."""
+    from fw import LLM, SamplingParams
+
+    llm = LLM(str(path), **{"dtype": "float32", "num_kv_blocks": 32, "max_model_len": 128, "device": "cpu", **kwargs})
+    try:
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(QUANT_PROMPTS, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+def hf_greedy(model, tokenizer_path) -> list[list[int]]:
+    """The same from a transformers model."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_path))
+    out = []
+    for prompt in QUANT_PROMPTS:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        gen = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out

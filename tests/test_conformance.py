@@ -12,6 +12,7 @@ from fw.testing.conformance import (
     plain_checkpoint,
 )
 from fw_quant_fp8 import testing as fp8
+from fw_quant_gptq import testing as gptq
 
 
 class TestTorchAttention(AttentionConformance):
@@ -42,6 +43,27 @@ class TestFp8Blocks(TestFp8):
     # DeepSeek-V3 blocks, small enough that the tiny model's matrices hold several, and partial ones.
     fixtures = {**TestFp8.fixtures, "fp8": QuantFixture(partial(fp8.write_checkpoint, kind="block", block=(32, 48)),
                                                        fp8.dequantized, 0.04)}
+
+
+def _int(tolerance: float, **layout) -> QuantFixture:
+    return QuantFixture(partial(gptq.write_checkpoint, **layout), gptq.dequantized, tolerance)
+
+
+class TestGptq(QuantConformance):
+    plugin = "gptq"
+    # Round-to-nearest 4-bit keeps a random Gaussian layer within about 10%, 8-bit within 0.6%.
+    fixtures = {"gptq": _int(0.12, layout="gptq", act_order=True),
+                "pack-quantized": _int(0.12, layout="pack-quantized", symmetric=False, group=-1)}
+
+
+class TestGptq8Bit(TestGptq):
+    fixtures = {"gptq": _int(0.01, layout="gptq", bits=8, symmetric=False, group=64),
+                "pack-quantized": _int(0.01, layout="pack-quantized", bits=8, act_order=True)}
+
+
+class TestAwq(QuantConformance):
+    plugin = "awq"
+    fixtures = {"awq": _int(0.12, layout="awq", group=64)}
 
 
 class TestTorchComm(CommConformance):

@@ -1,20 +1,36 @@
-"""The paths the CPU tests cover, run on a CUDA GPU against the CPU (scripts/gpu-check.sh runs them): fp8 weights
-and quantized KV caches through the torch attention backend, end to end."""
+"""The paths the CPU tests cover, run on a CUDA GPU against the CPU (scripts/gpu-check.sh runs them): fp8 weights,
+GPTQ / AWQ integer weights (the torch and Triton products) and quantized KV caches through the torch attention
+backend, end to end."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 from fw import LLM, SamplingParams
 from fw.testing.models import make_tiny_model
+from fw_quant_gptq import testing as intq
 
 PATHS = [("none", "auto"), ("fp8", "auto"), ("none", "fp8"), ("none", "int8")]
+
+
+# Integer checkpoints: (layout, extra writer settings); the product forced per run through FW_KERNELS.
+INT_PATHS = [("gptq", {"act_order": True, "symmetric": False}, "int.linear=triton"),
+             ("awq", {}, "int.linear=triton"), ("gptq", {"bits": 8}, "int.linear=torch")]
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     return str(make_tiny_model("Qwen2ForCausalLM", tmp_path_factory.mktemp("gpu") / "qwen2"))
+
+
+@pytest.fixture(scope="module", params=range(len(INT_PATHS)), ids=[f"{p[0]}-{p[2]}" for p in INT_PATHS])
+def int_model(request, model, tmp_path_factory):
+    layout, settings, kernels = INT_PATHS[request.param]
+    path = intq.write_checkpoint(Path(model), tmp_path_factory.mktemp("int") / layout, layout=layout, **settings)
+    return str(path), kernels
 
 
 def generate(model: str, device: str, quant: str, kv_cache_dtype: str):
@@ -39,6 +55,23 @@ def test_each_path_runs_on_the_cpu(model, quant, kv_cache_dtype):
 def test_cuda_computes_what_the_cpu_computes(model, quant, kv_cache_dtype):
     # float32 throughout (the tiny model's dtype, no TF32 by default): only summation order differs
     cpu, cuda = generate(model, "cpu", quant, kv_cache_dtype), generate(model, "cuda", quant, kv_cache_dtype)
+    for (tokens_cpu, lp_cpu), (tokens_cuda, lp_cuda) in zip(cpu, cuda, strict=True):
+        assert tokens_cuda == tokens_cpu
+        assert lp_cuda == pytest.approx(lp_cpu, abs=1e-3)
+
+
+def test_each_integer_path_runs_on_the_cpu(int_model):
+    path, _ = int_model
+    assert all(len(tokens) == 12 for tokens, _ in generate(path, "cpu", None, "auto"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_integer_products_compute_what_the_cpu_computes(int_model, monkeypatch):
+    path, kernels = int_model
+    cpu = generate(path, "cpu", None, "auto")
+    monkeypatch.setenv("FW_KERNELS", kernels)
+    cuda = generate(path, "cuda", None, "auto")
     for (tokens_cpu, lp_cpu), (tokens_cuda, lp_cuda) in zip(cpu, cuda, strict=True):
         assert tokens_cuda == tokens_cpu
         assert lp_cuda == pytest.approx(lp_cpu, abs=1e-3)

@@ -17,6 +17,7 @@ from fw_quant_fp8 import method as fp8_method
 from fw_quant_fp8.numerics import quantize_rows
 from fw_quant_gguf import method as gguf_method
 from fw_quant_gguf.dequant import row_bytes
+from fw_quant_gptq import packed
 
 
 @pytest.fixture
@@ -188,8 +189,23 @@ def _fp8_examples(op):
                (lambda rows, n=in_features: (torch.randn(rows, n, generator=gen).bfloat16(),)), (bias,))
 
 
+def _int_examples(op):
+    gen = torch.Generator().manual_seed(0)
+    # 4-bit in groups of 32; 8-bit in groups of 64 with a partial last group; irregular groups (torch only).
+    for bits, out_features, in_features, g_idx in ((4, 96, 64, torch.arange(64) // 32),
+                                                   (8, 100, 96, torch.arange(96) // 64),
+                                                   (4, 48, 64, torch.randperm(64, generator=gen) % 3)):
+        groups = int(g_idx.max()) + 1
+        q = torch.randint(0, 1 << bits, (out_features, in_features), generator=gen, dtype=torch.uint8)
+        zero = torch.randint(0, 1 << bits, (out_features, groups), generator=gen).float()
+        scale = (0.01 * torch.rand(out_features, groups, generator=gen)).half()
+        bias = torch.randn(out_features, generator=gen).bfloat16()
+        yield (packed.repack(bits, q, zero, scale, g_idx),
+               (lambda rows, n=in_features: (torch.randn(rows, n, generator=gen).bfloat16(),)), (bias,))
+
+
 EXAMPLES = {"dense.linear": _dense_examples, "dense.logits": _dense_examples, "gguf.linear": _gguf_examples,
-            "fp8.linear": _fp8_examples}
+            "fp8.linear": _fp8_examples, "int.linear": _int_examples, "int.linear.a8": _int_examples}
 
 
 def test_every_operation_has_examples():
@@ -222,7 +238,8 @@ def test_every_candidate_matches_the_reference_on_every_row_class(op_name):
 
 
 # The native candidates every CPU with a compiler runs.
-NATIVE = {"dense.logits": {"fw-portable"}, "gguf.linear": {"fw"}, "fp8.linear": {"fw"}}
+NATIVE = {"dense.logits": {"fw-portable"}, "gguf.linear": {"fw"}, "fp8.linear": {"fw"}, "int.linear": {"fw"},
+          "int.linear.a8": {"fw"}}
 
 
 def _key(op_name: str, weight) -> tuple:
@@ -230,6 +247,8 @@ def _key(op_name: str, weight) -> tuple:
         return dense._key(weight)
     if op_name == "fp8.linear":
         return (*weight.weight.shape, weight.group, "bfloat16", "cpu")
+    if op_name.startswith("int.linear"):
+        return packed.key(weight, torch.bfloat16)
     shards = tuple((s.qtype.name, s.rows) for s in weight.chunks)
     return shards, 256, "bfloat16", "cpu"
 

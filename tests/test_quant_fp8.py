@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fw import LLM, SamplingParams, model_registry
-from fw.model_loader import iter_safetensors, load_model
-from fw.models.base import HFConfig, ModelContext
+from conftest import fw_greedy, hf_greedy, load_layers
+from fw import model_registry
+from fw.model_loader import iter_safetensors
 from fw.models.moe import SparseMoeBlock
 from fw.testing.conformance import HooksConformance
 from fw.testing.models import make_tiny_model
@@ -27,40 +27,11 @@ from fw_quant_fp8.method import Fp8Method
 from fw_quant_fp8.spec import Fp8Options
 from fw_quant_none.method import Unquantized
 
-PROMPTS = ["The quick brown fox", "Hello, world! How"]
-GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-
-
-def load(path, quant, weights=None):
-    config = model_registry.read_hf_config(str(path))
-    ctx = ModelContext(dtype=torch.float32, quant=quant, attention=None)  # layers run alone
-    return load_model(model_registry.resolve(config).load(), HFConfig(config), ctx,
-                      weights if weights is not None else iter_safetensors(path))
 
 
 def fp8_method(path, **options):
     return Fp8Method(Fp8Options(**options), model_registry.read_hf_config(str(path)).get("quantization_config"))
-
-
-def fw_greedy(path, **kwargs):
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=32, max_model_len=128, device="cpu", **kwargs)
-    try:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    finally:
-        llm.shutdown()
-
-
-def hf_greedy(model, tokenizer_path):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_path))
-    out = []
-    for prompt in PROMPTS:
-        ids = tok(prompt, return_tensors="pt").input_ids
-        gen = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
-        out.append(gen[0, ids.shape[1]:].tolist())
-    return out
 
 
 def fused_pairs(model):
@@ -130,7 +101,7 @@ def test_detects_fp8_compressed_tensors_only(ct_checkpoint):
 
 def test_compressed_tensors_layers_match_the_reference(ct_checkpoint):
     path, reference = ct_checkpoint
-    model = load(path, fp8_method(path))
+    model = load_layers(path, fp8_method(path))
     pairs = list(fused_pairs(model))
     assert len(pairs) == 4 * 2  # every linear layer of both decoder layers
     gen = torch.Generator().manual_seed(0)
@@ -190,7 +161,7 @@ def test_fp8_and_block_layers_match_the_formula(formula_checkpoint):
     qc = json.loads((path / "config.json").read_text())["quantization_config"]
     block = qc.get("weight_block_size")
     tensors = dict(iter_safetensors(path))
-    model = load(path, fp8_method(path))
+    model = load_layers(path, fp8_method(path))
     gen = torch.Generator().manual_seed(0)
     pairs = list(fused_pairs(model))
     assert len(pairs) == 8
@@ -244,7 +215,7 @@ def test_fp8_and_block_greedy_tokens_match_the_reference(formula_checkpoint, tmp
 
 
 def test_online_weights_round_trip_within_e4m3_error(plain):
-    model = load(plain, Fp8Method(Fp8Options()))
+    model = load_layers(plain, Fp8Method(Fp8Options()))
     originals = dict(iter_safetensors(plain))
     for layer, names in fused_pairs(model):
         w = torch.cat([originals[f"{n}.weight"] for n in names])
@@ -258,8 +229,8 @@ def test_online_weights_round_trip_within_e4m3_error(plain):
 def test_online_serves_w8a16_by_default_and_w8a8_when_asked(plain):
     tokens = fw_greedy(plain, quant="fp8")
     assert [len(t) for t in tokens] == [16, 16]
-    w8a8 = load(plain, Fp8Method(Fp8Options(activations="dynamic")))
-    w8a16 = load(plain, Fp8Method(Fp8Options()))
+    w8a8 = load_layers(plain, Fp8Method(Fp8Options(activations="dynamic")))
+    w8a16 = load_layers(plain, Fp8Method(Fp8Options()))
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
     a, b = (m.get_submodule("model.layers.0.self_attn.qkv_proj") for m in (w8a8, w8a16))
     with torch.no_grad():
@@ -275,8 +246,8 @@ def test_online_serves_w8a16_by_default_and_w8a8_when_asked(plain):
 def test_fp8_experts_match_their_dequantized_reference(arch, weights, tmp_path):
     path = fp8.write_checkpoint(make_tiny_model(arch, tmp_path / "plain"), tmp_path / "fp8", weights=weights,
                                 activations=None)
-    model = load(path, fp8_method(path))
-    reference = load(path, Unquantized(), fp8.dequantized(path))
+    model = load_layers(path, fp8_method(path))
+    reference = load_layers(path, Unquantized(), fp8.dequantized(path))
     blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
     assert blocks
     gen = torch.Generator().manual_seed(0)

@@ -20,10 +20,11 @@ a plugin that also loads plain checkpoints runs when named, or above it).
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from fw.interfaces.attention import FEATURES
 from fw.interfaces.base import Capabilities, Requirements
@@ -163,6 +164,44 @@ class MoEMethod(ABC):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack loaded weights for the kernel."""
+
+
+S = TypeVar("S")
+
+
+def matches_module(pattern: str, name: str) -> bool:
+    """A quantization config's module pattern (compressed-tensors' ``targets``/``ignore``, vLLM's skip lists):
+    "re:" + a regex matched from the start, else a module name or the last parts of one."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return pattern == name or name.endswith(f".{pattern}")
+
+
+class ModuleSchemes(Generic[S]):
+    """Checkpoint module name -> the scheme its config gives it, or None for a module left in float: the first
+    of ``groups`` (targets, scheme) whose targets match ("Linear": every linear layer), unless ``ignore`` matches.
+    A quant plugin fills both from its config."""
+
+    def __init__(self) -> None:
+        self.ignore: list[str] = []
+        self.groups: list[tuple[list[str], S]] = []
+
+    def __call__(self, name: str) -> S | None:
+        if any(matches_module(p, name) for p in self.ignore):
+            return None
+        for targets, scheme in self.groups:
+            if any(t == "Linear" or matches_module(t, name) for t in targets):
+                return scheme
+        return None
+
+    def common(self, names: tuple[str, ...], prefix: str) -> S | None:
+        """The one scheme of the checkpoint matrices a layer fuses (q/k/v, gate/up, one layer's experts)."""
+        from fw.model_loader import ModelLoadError
+
+        schemes = {self(n) for n in names}
+        if len(schemes) > 1:
+            raise ModelLoadError(f"{prefix} fuses {', '.join(names)}, which the checkpoint quantizes differently")
+        return schemes.pop()
 
 
 class QuantMethod(ABC):

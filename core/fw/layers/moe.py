@@ -110,9 +110,12 @@ class FusedMoE(nn.Module):
         prefix: str,
         checkpoint_prefix: str,
         projections: tuple[str, str, str],
+        aliases: tuple[tuple[str, tuple[str, str, str]], ...] = (),
     ) -> None:
-        """``checkpoint_prefix`` / ``projections``: the experts' checkpoint names (see ``MoESpec``)."""
+        """``checkpoint_prefix`` / ``projections``: the experts' checkpoint names (see ``MoESpec``); ``aliases``:
+        other (prefix, projections) namings some checkpoints use for the same experts."""
         super().__init__()
+        self.aliases = aliases
         self.tp = get_tp_group()
         self.top_k = top_k
         self.renormalize = renormalize
@@ -138,10 +141,11 @@ class FusedMoE(nn.Module):
         """(checkpoint module name, (parameter name stem, shard_id)): "...experts.3.w1.weight" loads into
         ``w13_weight`` with shard_id (3, "w1")."""
         spec = self.spec
-        for e in range(spec.num_experts):
-            for projection, which in zip(spec.projections, ("w1", "w3", "w2"), strict=True):
-                stem = "w2_" if which == "w2" else "w13_"
-                yield f"{spec.checkpoint_prefix}.{e}.{projection}", (f"{spec.prefix}.{stem}", (e, which))
+        for prefix, projections in ((spec.checkpoint_prefix, spec.projections), *self.aliases):
+            for e in range(spec.num_experts):
+                for projection, which in zip(projections, ("w1", "w3", "w2"), strict=True):
+                    stem = "w2_" if which == "w2" else "w13_"
+                    yield f"{prefix}.{e}.{projection}", (f"{spec.prefix}.{stem}", (e, which))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
         """Place one expert's checkpoint tensor; ``shard_id`` is (expert, "w1" | "w3" | "w2")."""

@@ -30,10 +30,12 @@ class SparseMoeBlock(nn.Module):
         renormalize: bool,
         projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
         checkpoint_prefix: str | None = None,
+        aliases: tuple[tuple[str, tuple[str, str, str]], ...] = (),
         shared_expert_size: int = 0,
     ) -> None:
         """``projections``: each expert's gate, up and down matrices as the checkpoint names them;
-        ``checkpoint_prefix``: the block's own name there, when it differs from ``prefix``."""
+        ``checkpoint_prefix``: the block's own name there, when it differs from ``prefix``; ``aliases``: other
+        (experts prefix, projections) namings of the same experts."""
         super().__init__()
         hidden_act = config.get("hidden_act", "silu")
         if hidden_act != "silu":
@@ -60,6 +62,7 @@ class SparseMoeBlock(nn.Module):
             prefix=f"{prefix}.experts",
             checkpoint_prefix=f"{checkpoint_prefix}.experts",
             projections=projections,
+            aliases=aliases,
         )
         self.shared_expert = self.shared_expert_gate = None
         if shared_expert_size:
@@ -79,7 +82,8 @@ class SparseMoeBlock(nn.Module):
 
 class MixtralForCausalLM(LlamaForCausalLM):
     def make_mlp(self, config: HFConfig, ctx: ModelContext, layer_idx: int, prefix: str) -> nn.Module:
-        # Mixtral's checkpoint calls the block "block_sparse_moe" and its experts' matrices w1 (gate), w3, w2.
+        # Mixtral's checkpoint calls the block "block_sparse_moe" and its experts' matrices w1 (gate), w3, w2;
+        # checkpoints written through transformers 5's modules (GPTQModel's) say mlp.experts.N.gate_proj etc.
         return SparseMoeBlock(
             config,
             ctx,
@@ -90,6 +94,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
             renormalize=True,
             projections=("w1", "w3", "w2"),
             checkpoint_prefix=f"{prefix.removesuffix('.mlp')}.block_sparse_moe",
+            aliases=((f"{prefix}.experts", ("gate_proj", "up_proj", "down_proj")),),
         )
 
 

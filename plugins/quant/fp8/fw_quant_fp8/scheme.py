@@ -16,10 +16,10 @@ A plain checkpoint (no config) is quantized at load: per-channel weight scales.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from fw.interfaces.quant import ModuleSchemes
 from fw.model_loader import ModelLoadError
 from fw_quant_fp8.hooks import is_fp8_compressed_tensors
 
@@ -49,18 +49,11 @@ class Scheme:
         return self.block[1] if self.block else None
 
 
-def _matches(pattern: str, name: str) -> bool:
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None  # as compressed-tensors matches
-    return pattern == name or name.endswith(f".{pattern}")
-
-
-class Schemes:
+class Schemes(ModuleSchemes[Scheme]):
     """Checkpoint module name -> its ``Scheme``, or None for a layer the checkpoint leaves unquantized."""
 
     def __init__(self, quant_config: dict[str, Any], activations: str) -> None:
-        self.ignore: list[str] = []
-        self.groups: list[tuple[list[str], Scheme]] = []
+        super().__init__()
         method = quant_config.get("quant_method")
         if not quant_config:
             self.groups = [(["Linear"], Scheme("channel", "dynamic" if activations == "dynamic" else "none",
@@ -89,21 +82,6 @@ class Schemes:
             raise ModelLoadError(f"the fp8 plugin cannot load quant_method {method!r} with this configuration")
         if activations != "auto":  # the option overrides what the checkpoint says
             self.groups = [(t, _with_activations(s, activations)) for t, s in self.groups]
-
-    def __call__(self, name: str) -> Scheme | None:
-        if any(_matches(p, name) for p in self.ignore):
-            return None
-        for targets, scheme in self.groups:
-            if any(t == "Linear" or _matches(t, name) for t in targets):
-                return scheme
-        return None
-
-    def common(self, names: tuple[str, ...], prefix: str) -> Scheme | None:
-        """The one scheme of the checkpoint matrices a layer fuses (q/k/v, gate/up, one layer's experts)."""
-        schemes = {self(n) for n in names}
-        if len(schemes) > 1:
-            raise ModelLoadError(f"{prefix} fuses {', '.join(names)}, which the checkpoint quantizes differently")
-        return schemes.pop()
 
 
 def _with_activations(scheme: Scheme, activations: str) -> Scheme:

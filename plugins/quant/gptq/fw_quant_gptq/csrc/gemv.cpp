@@ -1,0 +1,309 @@
+// Products of a few activation rows with 4- or 8-bit integer weights (GPTQ, AWQ, compressed-tensors, after
+// fw_quant_gptq.packed has repacked them), decoding each 32-weight block in registers as it streams by. A
+// weight is q * scale_g + offset_g for its group g (offset = -scale * zero), so a row's product is
+// sum_g scale_g (x_g . q_g) + offset_g sum(x_g): the zero points cost one multiply-add per group, not per
+// weight. 4-bit blocks are 16 bytes, element j in the low nibble of byte j and element j + 16 in its high
+// nibble. int_gemv_a8 rounds the activations to int8 blocks first and multiplies bytes (exact in int32).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "fw_cpu.h"
+
+namespace {
+
+constexpr int64_t kBlock = 32, kMaxRows = 8;
+
+// R consecutive output rows: their blocks, and their groups' scales and offsets (rows `stride` bytes /
+// `groups` values apart). Several rows at once give independent accumulator chains and share each x load.
+struct Rows {
+  const uint8_t* q;
+  const float* scale;
+  const float* offset;
+  int64_t stride, groups, blocks, group_blocks;
+};
+
+// Output rows per call for M activation rows: as many as the 16 vector registers hold.
+constexpr int rows_for(int M) { return M == 1 ? 4 : M == 2 ? 2 : 1; }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// A block's 32 integers as floats, eight per vector (elements 0-7, 8-15, 16-23, 24-31).
+inline void block_floats(const uint8_t* q, int bits, __m256 v[4]) {
+  if (bits == 8) {
+    for (int k = 0; k < 4; ++k)
+      v[k] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * k))));
+    return;
+  }
+  const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), mask = _mm_set1_epi8(0x0f);
+  const __m128i lo = _mm_and_si128(w, mask), hi = _mm_and_si128(_mm_srli_epi16(w, 4), mask);
+  v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+// A block's 32 integers as bytes in element order, for the unsigned-by-signed byte products: 4-bit as they
+// are, 8-bit as q - 128 (signed; the offset absorbs the 128).
+inline __m256i block_bytes(const uint8_t* q, int bits) {
+  if (bits == 8)
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), _mm256_set1_epi8(char(0x80)));
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), mask = _mm_set1_epi8(0x0f);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+}
+
+inline float reduce_add(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// Per group: the blocks' dot products accumulate unscaled, then one multiply by the group's scale; the offsets
+// need only the activations' per-group sums (gsum [M, groups]), added once per row at the end.
+template <int M, int R>
+void dot_rows(const float* x, const float* gsum, const Rows& r, int bits, float* y, int64_t ldy, int64_t K) {
+  __m256 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < R; ++i) acc[m][i] = _mm256_setzero_ps();
+  const int64_t bb = bits * 4;
+  for (int64_t g = 0, b0 = 0; b0 < r.blocks; ++g, b0 += r.group_blocks) {
+    const int64_t b1 = std::min(r.blocks, b0 + r.group_blocks);
+    __m256 part[M][R];
+    for (int m = 0; m < M; ++m)
+      for (int i = 0; i < R; ++i) part[m][i] = _mm256_setzero_ps();
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int i = 0; i < R; ++i) {
+        __m256 v[4];
+        block_floats(r.q + i * r.stride + b * bb, bits, v);
+        for (int m = 0; m < M; ++m) {
+          const float* xb = x + m * K + b * kBlock;
+          part[m][i] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xb), part[m][i]);
+          part[m][i] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), part[m][i]);
+          part[m][i] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), part[m][i]);
+          part[m][i] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), part[m][i]);
+        }
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m256 d = _mm256_broadcast_ss(r.scale + i * r.groups + g);
+      for (int m = 0; m < M; ++m) acc[m][i] = _mm256_fmadd_ps(part[m][i], d, acc[m][i]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < R; ++i) {
+      float off = 0.f;
+      for (int64_t g = 0; g < r.groups; ++g) off += r.offset[i * r.groups + g] * gsum[m * r.groups + g];
+      y[m * ldy + i] = reduce_add(acc[m][i]) + off;
+    }
+}
+
+// With int8 activations (llama.cpp's way: each block of x as int8 times one scale dx) a block's integer dot
+// product is exact in int32, a few instructions for 32 weights: y += scale_g sum_b dx_b (xq_b . q_b), plus the
+// offsets times gsum = sum_b dx_b sum(xq_b) per group.
+template <int M, int R>
+void dot_rows_a8(const int8_t* xq, const float* dx, const float* gsum, const Rows& r, int bits, float* y,
+                 int64_t ldy, int64_t K) {
+  __m256 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < R; ++i) acc[m][i] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t bb = bits * 4;
+  for (int64_t g = 0, b0 = 0; b0 < r.blocks; ++g, b0 += r.group_blocks) {
+    const int64_t b1 = std::min(r.blocks, b0 + r.group_blocks);
+    __m256 part[M][R];
+    for (int m = 0; m < M; ++m)
+      for (int i = 0; i < R; ++i) part[m][i] = _mm256_setzero_ps();
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int i = 0; i < R; ++i) {
+        const __m256i w = block_bytes(r.q + i * r.stride + b * bb, bits);
+        const __m256i wabs = bits == 4 ? w : _mm256_sign_epi8(w, w);
+        for (int m = 0; m < M; ++m) {
+          __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * kBlock));
+          if (bits == 8) xb = _mm256_sign_epi8(xb, w);  // |w| times x with w's sign: no overflow
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xb), ones);
+          part[m][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(dx + m * r.blocks + b), part[m][i]);
+        }
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m256 s = _mm256_broadcast_ss(r.scale + i * r.groups + g);
+      for (int m = 0; m < M; ++m) acc[m][i] = _mm256_fmadd_ps(part[m][i], s, acc[m][i]);
+    }
+  }
+  const float shift = bits == 8 ? 128.f : 0.f;  // the weights went in as q - 128
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < R; ++i) {
+      float off = 0.f;
+      for (int64_t g = 0; g < r.groups; ++g)
+        off += (r.offset[i * r.groups + g] + shift * r.scale[i * r.groups + g]) * gsum[m * r.groups + g];
+      y[m * ldy + i] = reduce_add(acc[m][i]) + off;
+    }
+}
+#else
+inline void block_ints(const uint8_t* q, int bits, int32_t* out) {
+  for (int j = 0; j < 16; ++j) {
+    out[j] = bits == 8 ? q[j] : (q[j] & 0x0f);
+    out[j + 16] = bits == 8 ? q[j + 16] : (q[j] >> 4);
+  }
+}
+
+template <int M, int R>
+void dot_rows(const float* x, const float* gsum, const Rows& r, int bits, float* y, int64_t ldy, int64_t K) {
+  for (int i = 0; i < R; ++i) {
+    float acc[M] = {0.f};
+    for (int64_t b = 0; b < r.blocks; ++b) {
+      const int64_t g = b / r.group_blocks;
+      int32_t q[kBlock];
+      block_ints(r.q + i * r.stride + b * bits * 4, bits, q);
+      for (int m = 0; m < M; ++m) {
+        const float* xb = x + m * K + b * kBlock;
+        float dot = 0.f;
+        for (int j = 0; j < kBlock; ++j) dot += q[j] * xb[j];
+        acc[m] += r.scale[i * r.groups + g] * dot;
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      for (int64_t g = 0; g < r.groups; ++g) acc[m] += r.offset[i * r.groups + g] * gsum[m * r.groups + g];
+      y[m * ldy + i] = acc[m];
+    }
+  }
+}
+
+template <int M, int R>
+void dot_rows_a8(const int8_t* xq, const float* dx, const float* gsum, const Rows& r, int bits, float* y,
+                 int64_t ldy, int64_t K) {
+  for (int i = 0; i < R; ++i) {
+    float acc[M] = {0.f};
+    for (int64_t b = 0; b < r.blocks; ++b) {
+      const int64_t g = b / r.group_blocks;
+      int32_t q[kBlock];
+      block_ints(r.q + i * r.stride + b * bits * 4, bits, q);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* xb = xq + m * K + b * kBlock;
+        int32_t dot = 0;
+        for (int j = 0; j < kBlock; ++j) dot += (bits == 8 ? q[j] - 128 : q[j]) * xb[j];
+        acc[m] += dx[m * r.blocks + b] * r.scale[i * r.groups + g] * dot;
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      for (int64_t g = 0; g < r.groups; ++g)
+        acc[m] += (r.offset[i * r.groups + g] + (bits == 8 ? 128.f : 0.f) * r.scale[i * r.groups + g]) *
+                  gsum[m * r.groups + g];
+      y[m * ldy + i] = acc[m];
+    }
+  }
+}
+#endif
+
+// kernel(m, rows, n, many) for every tile: activation rows m .. m + rows (at most kMaxRows, so that the
+// accumulators stay in registers) and output rows from n, rows_for(rows) of them when `many`, else one; in
+// parallel over the output rows.
+template <typename Kernel>
+void tiles(int64_t M, int64_t N, const Kernel& kernel) {
+  for (int64_t m = 0; m < M; m += kMaxRows) {
+    const int rows = static_cast<int>(std::min(kMaxRows, M - m)), R = rows_for(rows);
+    at::parallel_for(0, (N + R - 1) / R, std::max(1, 16 / R), [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        const int64_t n = c * R;
+        if (n + R <= N) kernel(m, rows, n, true);
+        else for (int64_t k = n; k < N; ++k) kernel(m, rows, k, false);
+      }
+    });
+  }
+}
+
+void check_weight(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset, int64_t K, int64_t bits,
+                  int64_t group) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(K % kBlock == 0 && group % kBlock == 0, "K and group must be multiples of 32");
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.size(1) == K * bits / 8, "q must be [N, K*bits/8]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && offset.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  offset.is_contiguous() && scale.sizes() == offset.sizes() && scale.size(0) == q.size(0) &&
+                  scale.size(1) == (K + group - 1) / group,
+              "scale and offset must be float32 [N, ceil(K / group)]");
+}
+
+// x [M, K] (K a multiple of 32), q uint8 [N, K * bits / 8], scale and offset float32 [N, groups] with
+// `group` (a multiple of 32) input features each. Returns x.dtype [M, N].
+at::Tensor int_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
+                    int64_t bits, int64_t group) {
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = scale.size(1), blocks = K / kBlock;
+  check_weight(q, scale, offset, K, bits, group);
+  auto xf = x.to(at::kFloat).contiguous();
+  auto gsum = at::zeros({M, G}, xf.options());  // each row's sum over each group
+  const float* xp = xf.data_ptr<float>();
+  float* gp = gsum.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) gp[m * G + k / group] += xp[m * K + k];
+  auto y = at::empty({M, N}, xf.options());
+  using Fn = void (*)(const float*, const float*, const Rows&, int, float*, int64_t, int64_t);
+  static constexpr Fn kOne[kMaxRows] = {dot_rows<1, 1>, dot_rows<2, 1>, dot_rows<3, 1>, dot_rows<4, 1>,
+                                        dot_rows<5, 1>, dot_rows<6, 1>, dot_rows<7, 1>, dot_rows<8, 1>};
+  static constexpr Fn kMany[kMaxRows] = {dot_rows<1, rows_for(1)>, dot_rows<2, rows_for(2)>, dot_rows<3, 1>,
+                                         dot_rows<4, 1>, dot_rows<5, 1>, dot_rows<6, 1>, dot_rows<7, 1>,
+                                         dot_rows<8, 1>};
+  float* yp = y.data_ptr<float>();
+  tiles(M, N, [&](int64_t m, int rows, int64_t n, bool many) {
+    const Rows r{q.data_ptr<uint8_t>() + n * q.size(1), scale.data_ptr<float>() + n * G,
+                 offset.data_ptr<float>() + n * G, q.size(1), G, blocks, group / kBlock};
+    (many ? kMany : kOne)[rows - 1](xp + m * K, gp + m * G, r, static_cast<int>(bits), yp + m * N + n, N, K);
+  });
+  return y.to(x.scalar_type());
+}
+
+// As int_gemv, with x rounded to int8 blocks first: each block of 32 values times dx = absmax / 127, the
+// integers rounded half to even (fw_quant_gptq.packed.quantize_activations is the same rounding in torch).
+at::Tensor int_gemv_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
+                       int64_t bits, int64_t group) {
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = scale.size(1), blocks = K / kBlock;
+  check_weight(q, scale, offset, K, bits, group);
+  auto xf = x.to(at::kFloat).contiguous();
+  auto xq = at::empty({M, K}, xf.options().dtype(at::kChar));
+  auto dx = at::empty({M, blocks}, xf.options());
+  // Per row and group: the sum over its blocks of dx times sum(xq), for the offsets.
+  auto gsum = at::zeros({M, G}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  int8_t* qp = xq.data_ptr<int8_t>();
+  float *dp = dx.data_ptr<float>(), *gp = gsum.data_ptr<float>();
+  for (int64_t mb = 0; mb < M * blocks; ++mb) {
+    const float* xb = xp + mb * kBlock;
+    float amax = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.f, div = d > 0.f ? d : 1.f;
+    int32_t sum = 0;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      qp[mb * kBlock + j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(xb[j] / div))));
+      sum += qp[mb * kBlock + j];
+    }
+    dp[mb] = d;
+    gp[(mb / blocks) * G + (mb % blocks) * kBlock / group] += d * sum;
+  }
+  auto y = at::empty({M, N}, xf.options());
+  using Fn = void (*)(const int8_t*, const float*, const float*, const Rows&, int, float*, int64_t, int64_t);
+  static constexpr Fn kOne[kMaxRows] = {dot_rows_a8<1, 1>, dot_rows_a8<2, 1>, dot_rows_a8<3, 1>, dot_rows_a8<4, 1>,
+                                        dot_rows_a8<5, 1>, dot_rows_a8<6, 1>, dot_rows_a8<7, 1>, dot_rows_a8<8, 1>};
+  static constexpr Fn kMany[kMaxRows] = {dot_rows_a8<1, rows_for(1)>, dot_rows_a8<2, rows_for(2)>, dot_rows_a8<3, 1>,
+                                         dot_rows_a8<4, 1>, dot_rows_a8<5, 1>, dot_rows_a8<6, 1>, dot_rows_a8<7, 1>,
+                                         dot_rows_a8<8, 1>};
+  float* yp = y.data_ptr<float>();
+  tiles(M, N, [&](int64_t m, int rows, int64_t n, bool many) {
+    const Rows r{q.data_ptr<uint8_t>() + n * q.size(1), scale.data_ptr<float>() + n * G,
+                 offset.data_ptr<float>() + n * G, q.size(1), G, blocks, group / kBlock};
+    (many ? kMany : kOne)[rows - 1](qp + m * K, dp + m * blocks, gp + m * G, r, static_cast<int>(bits),
+                                    yp + m * N + n, N, K);
+  });
+  return y.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fw_quant_gptq, m) {
+  m.def("int_gemv(Tensor x, Tensor q, Tensor scale, Tensor offset, int bits, int group) -> Tensor");
+  m.impl("int_gemv", c10::DispatchKey::CPU, TORCH_FN(int_gemv));
+  m.def("int_gemv_a8(Tensor x, Tensor q, Tensor scale, Tensor offset, int bits, int group) -> Tensor");
+  m.impl("int_gemv_a8", c10::DispatchKey::CPU, TORCH_FN(int_gemv_a8));
+}

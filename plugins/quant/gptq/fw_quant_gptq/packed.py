@@ -1,0 +1,194 @@
+"""Integer weights as fw's kernels read them, whatever checkpoint layout they came from (``formats``).
+
+Every supported layout (GPTQ, AWQ, compressed-tensors pack-quantized) means the same thing: weight
+``W[n, k] = scale[n, g] * (q[n, k] - zero[n, g])`` with ``g`` the group of input feature ``k``. At load each is
+decoded once to ``q``, ``zero`` and ``scale`` and repacked here into ``IntWeight``:
+
+- ``q``: uint8 ``[N, K * bits / 8]``. 8-bit: one byte per weight. 4-bit: blocks of 32 weights in 16 bytes,
+  weight ``j`` of a block in the low nibble of byte ``j`` and weight ``j + 16`` in its high nibble, so that a
+  vector unit splits a block into two halves with one mask and one shift.
+- ``scale`` and ``offset = -scale * zero``: float32 ``[N, groups]``. ``q * scale + offset`` is exact in float32
+  (a half-precision scale times a small integer), so every kernel computes with the checkpoint's own weights.
+- act-order (GPTQ ``desc_act``, a permuted ``g_idx``): the input features are sorted by group once at load
+  (``perm``), which makes every group contiguous; the product then permutes the activation once per call.
+
+Products (``fw.kernels`` operation ``int.linear``, chosen per CPU, shape and row count by timing): ``fw``
+(``csrc/gemv.cpp``, CPU) decodes each block in registers as it reads it, at half a byte (or a byte) a weight:
+the decode-sized choice. ``torch`` / ``torch-fp32`` dequantize a chunk of rows at a time into the activation
+dtype / float32 and multiply: the prefill-sized choice. ``triton`` (CUDA, ``triton_gemm``) decodes tiles
+inside a GEMM. With the plugins' option ``activations=int8`` the operation is ``int.linear.a8``: the
+activations are rounded to int8 blocks first, and ``fw`` multiplies integers (exact in int32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fw import kernels, native
+from fw.layers import dense
+from fw.model_loader import ModelLoadError
+
+BLOCK = 32  # weights per 4-bit block (and the native kernel's unit)
+_SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"
+
+
+@dataclass(frozen=True)
+class IntWeight:
+    """Rows of a layer's weight in fw's layout (see the module docstring)."""
+
+    bits: int
+    q: torch.Tensor  # uint8 [N, K * bits / 8]
+    scale: torch.Tensor  # float32 [N, groups]
+    offset: torch.Tensor  # float32 [N, groups]
+    columns: torch.Tensor  # int64 [K]: the group of each (sorted) input feature
+    group: int | None  # input features per group when columns == arange(K) // group; None: irregular groups
+    perm: torch.Tensor | None  # int64 [K]: input feature of each sorted position; None: in order
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.columns.numel()
+
+
+def repack(bits: int, q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, g_idx: torch.Tensor) -> IntWeight:
+    """``q`` uint8 [N, K], ``zero`` and ``scale`` float32 [N, groups], ``g_idx`` [K] as fw's ``IntWeight``."""
+    n, k = q.shape
+    if k % BLOCK:
+        raise ModelLoadError(f"{k} input features: the integer kernels need a multiple of {BLOCK}")
+    g_idx = g_idx.long()
+    perm = None
+    if bool((g_idx[1:] < g_idx[:-1]).any()):  # act-order: sort the input features by group, once
+        perm = torch.argsort(g_idx, stable=True)
+        q, g_idx = q[:, perm], g_idx[perm]
+    counts = torch.bincount(g_idx, minlength=scale.shape[1])
+    width = int(counts[0])
+    regular = bool((g_idx == torch.arange(k, device=g_idx.device) // width).all()) and scale.shape[1] == -(-k // width)
+    if bits == 4:
+        q = q.reshape(n, k // BLOCK, 2, BLOCK // 2)
+        q = q[:, :, 0] | (q[:, :, 1] << 4)
+    return IntWeight(bits, q.reshape(n, -1).contiguous(), scale.float().contiguous(),
+                     (-scale.float() * zero.float()).contiguous(), g_idx, width if regular else None, perm)
+
+
+def unpack_rows(w: IntWeight, rows: slice) -> torch.Tensor:
+    """The integers ``q`` of ``rows``, uint8 [rows, K], input features in sorted order."""
+    q = w.q[rows]
+    if w.bits == 8:
+        return q
+    n = q.shape[0]
+    blocks = q.reshape(n, -1, BLOCK // 2)
+    return torch.stack((blocks & 0x0F, blocks >> 4), dim=2).reshape(n, -1)
+
+
+def dequantize(w: IntWeight, rows: slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``rows`` of the weight, [rows, K] in ``dtype``, input features in sorted order."""
+    q = unpack_rows(w, rows).float()
+    scale, offset = w.scale[rows], w.offset[rows]
+    if w.group is not None:
+        n, k = q.shape
+        width = w.group
+        pad = -k % width
+        q = F.pad(q, (0, pad)).view(n, -1, width)
+        return (q * scale[:, :, None] + offset[:, :, None]).view(n, -1)[:, :k].to(dtype)
+    return (q * scale[:, w.columns] + offset[:, w.columns]).to(dtype)
+
+
+def matrix(w: IntWeight) -> torch.Tensor:
+    """The whole weight, float32 [N, K], input features in the checkpoint's order."""
+    rows = dequantize(w)
+    return rows if w.perm is None else rows[:, torch.argsort(w.perm)]
+
+
+def _product(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    x = x.to(dtype)
+    n, k = w.shape
+    step = max(1, dense.WIDEN_CHUNK // k)
+    parts = [F.linear(x, dequantize(w, slice(i, i + step), dtype)) for i in range(0, n, step)]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return out if bias is None else out + bias.to(dtype)
+
+
+def _native(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    out = torch.ops.fw_quant_gptq.int_gemv(x.reshape(rows, x.shape[-1]), w.q, w.scale, w.offset, w.bits, w.group)
+    out = out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def _triton(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    from fw_quant_gptq.triton_gemm import int_gemm
+
+    out = int_gemm(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+    return out if bias is None else out + bias
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+# key: (N, K, bits, group, dtype, device)
+PRODUCT = kernels.Operation("int.linear", reference="torch")
+PRODUCT.register(kernels.Candidate(
+    "fw", _native,
+    supports=lambda key: key[5] == "cpu" and key[3] is not None and key[3] % BLOCK == 0
+    and native.load("fw_quant_gptq", _SOURCE)))
+PRODUCT.register(kernels.Candidate("torch", lambda w, x, bias=None: _product(w, x, bias, x.dtype)))
+PRODUCT.register(kernels.Candidate(
+    "torch-fp32", lambda w, x, bias=None: _product(w, x, bias, torch.float32).to(x.dtype),
+    supports=lambda key: key[4] == "bfloat16"))
+PRODUCT.register(kernels.Candidate("triton", _triton, supports=lambda key: key[5] == "cuda" and _has_triton()))
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [rows, K] as int8 blocks of 32 values and one float32 scale each (absmax / 127), as llama.cpp's
+    Q8_0 activations: (xq int8 [rows, K], dx float32 [rows, K / 32])."""
+    blocks = x.float().reshape(x.shape[0], x.shape[1] // BLOCK, BLOCK)
+    dx = blocks.abs().amax(-1) / 127
+    xq = (blocks / torch.where(dx > 0, dx, 1.0)[..., None]).round().clamp(-127, 127).to(torch.int8)  # half to even
+    return xq.reshape(x.shape).contiguous(), dx.contiguous()
+
+
+def _emulated_a8(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    xq, dx = quantize_activations(x.reshape(-1, x.shape[-1]))
+    rounded = (xq.float().view(*dx.shape, BLOCK) * dx[..., None]).view(*x.shape)
+    return _product(w, rounded, None if bias is None else bias.float(), torch.float32).to(x.dtype)
+
+
+def _native_a8(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    out = torch.ops.fw_quant_gptq.int_gemv_a8(x.reshape(rows, x.shape[-1]), w.q, w.scale, w.offset, w.bits, w.group)
+    out = out.view(*x.shape[:-1], out.shape[-1])
+    return out if bias is None else out + bias
+
+
+# The same products with int8 activations (the plugins' option activations=int8): "torch" emulates them exactly.
+PRODUCT_A8 = kernels.Operation("int.linear.a8", reference="torch")
+PRODUCT_A8.register(kernels.Candidate("fw", _native_a8, supports=PRODUCT.candidates["fw"].supports))
+PRODUCT_A8.register(kernels.Candidate("torch", _emulated_a8))
+
+
+def key(w: IntWeight, dtype: torch.dtype) -> tuple:
+    return (*w.shape, w.bits, w.group, str(dtype).removeprefix("torch."), w.q.device.type)
+
+
+def select_product(w: IntWeight, dtype: torch.dtype, int8_activations: bool = False) -> kernels.Selection:
+    width, op = w.shape[1], PRODUCT_A8 if int8_activations else PRODUCT
+    return op.select(key(w, dtype), w, lambda n: (torch.randn(n, width, dtype=dtype, device=w.q.device),))
+
+
+class Product:
+    """A layer's (or an expert's) product with one ``IntWeight``: the activation permuted once, then the kernel."""
+
+    def __init__(self, w: IntWeight, dtype: torch.dtype, int8_activations: bool = False) -> None:
+        self.weight, self.perm = w, w.perm
+        self.run = select_product(w, dtype, int8_activations)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        return self.run(x, bias)

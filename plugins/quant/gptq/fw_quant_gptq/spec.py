@@ -1,0 +1,40 @@
+"""The GPTQ quant plugin's record. Light: imports no torch, so listing plugins stays fast."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fw.interfaces import quant
+from fw.interfaces.base import frozen
+from fw.plugins import BUILTIN_PRIORITY, PluginSpec
+
+
+class IntOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    activations: Literal["none", "int8"] = Field(
+        "none",
+        description="none: the weights multiply the activations as they are (exact, the reference's numerics). "
+        "int8: each block of 32 activation values is rounded to int8 with its own scale first, as llama.cpp "
+        "does, and the CPU kernel multiplies integers: faster decoding, a rounding about 4x bf16's.",
+    )
+
+SPEC = PluginSpec(
+    name="gptq",
+    kind="quant",
+    impl="fw_quant_gptq.method:IntMethod",
+    capabilities=quant.QuantCapabilities(
+        formats=frozen("gptq", "pack-quantized"),
+        devices=frozen("cpu", "cuda"),
+        dtypes=frozen("float32", "bfloat16", "float16"),
+    ),
+    api_version=quant.API_VERSION,
+    description=(
+        "GPTQ v1/v2 checkpoints (AutoGPTQ, GPTQModel, optimum: 4 or 8 bits, symmetric or not, group sizes or "
+        "per channel, act-order) and compressed-tensors pack-quantized W4A16/W8A16 (llm-compressor), linear "
+        "layers and experts. Weights stay packed and are decoded in the product: a native CPU kernel for "
+        "decode-sized batches, dequantized chunks for prefill, a Triton GEMM on CUDA."
+    ),
+    options=IntOptions,
+    priority=BUILTIN_PRIORITY,
+)
