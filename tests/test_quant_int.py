@@ -126,7 +126,7 @@ def test_decoding_recovers_the_written_integers_and_wrong_decodings_fail(plain, 
     layout, bits, group, symmetric, act_order = VARIANTS[variant]
     module = "model.layers.0.self_attn.q_proj"
     weight = dict(iter_safetensors(plain))[f"{module}.weight"]
-    g_idx = intq._g_idx(module, weight.shape[1], group, act_order)
+    g_idx = intq.group_index(module, weight.shape[1], group, act_order)
     q, zero, scale = intq.quantize(weight, bits, g_idx, symmetric)
     expected = scale.float()[:, g_idx] * (q.float() - zero[:, g_idx])
     tensors = dict(iter_safetensors(write(plain, tmp_path, variant)))

@@ -93,14 +93,12 @@ def _products(layer: nn.Module, stem: str, scheme: Scheme, leaves: list[str], si
     packed = {leaf: tensor(leaf) for leaf in leaves}
     width = in_features(scheme, packed)
     q, zero, scale = decode(scheme, packed, width)
-    g_leaf = _g_idx_leaf(scheme)
-    device = q.device
-    plain = (torch.arange(width, device=device) // (width if scheme.group == -1 else scheme.group))
+    plain = torch.arange(width, device=q.device) // (width if scheme.group == -1 else scheme.group)
     runs: list[list[Any]] = []  # [first row, end row, g_idx]
     start = 0
     for i, size in enumerate(sizes):
         # Without act-order the groups are in order: the stored g_idx (of every rank's features) is not read.
-        g_idx = tensor(g_leaf)[i].long() if scheme.act_order else plain
+        g_idx = tensor(_g_idx_leaf(scheme))[i].long() if scheme.act_order else plain
         if runs and torch.equal(runs[-1][2], g_idx):
             runs[-1][1] += size
         else:

@@ -63,9 +63,9 @@ def repack(bits: int, q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, 
     if bool((g_idx[1:] < g_idx[:-1]).any()):  # act-order: sort the input features by group, once
         perm = torch.argsort(g_idx, stable=True)
         q, g_idx = q[:, perm], g_idx[perm]
-    counts = torch.bincount(g_idx, minlength=scale.shape[1])
-    width = int(counts[0])
-    regular = bool((g_idx == torch.arange(k, device=g_idx.device) // width).all()) and scale.shape[1] == -(-k // width)
+    width = int((g_idx == 0).sum())  # the first group's; regular groups all have it (the last may have fewer)
+    regular = width > 0 and scale.shape[1] == -(-k // width) and bool(
+        (g_idx == torch.arange(k, device=g_idx.device) // width).all())
     if bits == 4:
         q = q.reshape(n, k // BLOCK, 2, BLOCK // 2)
         q = q[:, :, 0] | (q[:, :, 1] << 4)
@@ -114,7 +114,7 @@ def _product(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None, dtype: to
 def _native(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     out = torch.ops.fw_quant_gptq.int_gemv(x.reshape(rows, x.shape[-1]), w.q, w.scale, w.offset, w.bits, w.group)
-    out = out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+    out = out.view(*x.shape[:-1], out.shape[-1])
     return out if bias is None else out + bias
 
 

@@ -16,8 +16,9 @@ class IntOptions(BaseModel):
         "none",
         description="none: the weights multiply the activations as they are (exact, the reference's numerics). "
         "int8: each block of 32 activation values is rounded to int8 with its own scale first, as llama.cpp "
-        "does, and the CPU kernel multiplies integers: faster decoding, a rounding about 4x bf16's.",
+        "does, and the CPU kernel multiplies integers: faster decoding, a rounding several times bf16's.",
     )
+
 
 SPEC = PluginSpec(
     name="gptq",

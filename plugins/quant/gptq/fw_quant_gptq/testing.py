@@ -23,7 +23,7 @@ _SHARED_INPUT = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj":
                  "w1": "in", "w3": "in"}
 
 
-def _g_idx(module: str, width: int, group: int, act_order: bool) -> torch.Tensor:
+def group_index(module: str, width: int, group: int, act_order: bool) -> torch.Tensor:
     """Each input feature's group: in order, or (act-order) by position in a permutation of the features."""
     per = width if group == -1 else group
     if not act_order:
@@ -98,7 +98,7 @@ def write_checkpoint(plain: Path, out: Path, *, layout: str = "gptq", bits: int 
     for name, tensor in iter_safetensors(plain):
         module = name.removesuffix(".weight")
         if ".layers." in name and tensor.dim() == 2 and routers(module) is not None:
-            g_idx = _g_idx(module, tensor.shape[1], group, act_order)
+            g_idx = group_index(module, tensor.shape[1], group, act_order)
             q, zero, scale = quantize(tensor, bits, g_idx, symmetric)
             for leaf, value in _encode(layout, bits, q, zero, scale, g_idx, symmetric, act_order).items():
                 tensors[f"{module}.{leaf}"] = value

@@ -49,6 +49,8 @@ def int_gemm(x: torch.Tensor, w: IntWeight, block_m: int = 16, block_n: int = 32
     x = x.contiguous()
     (m, k), n = x.shape, w.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int_gemm[grid](x, w.q, w.scale, w.offset, y, m, n, k, w.scale.shape[1], w.group, x.stride(0), y.stride(0),
                     BITS=w.bits, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
