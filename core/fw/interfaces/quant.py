@@ -168,6 +168,10 @@ class MoEMethod(ABC):
 
 S = TypeVar("S")
 
+# MoE routers (and Qwen2-MoE's shared-expert gate): the quantization tools leave them in float, since a rounded
+# router picks other experts.
+MOE_ROUTERS = r"re:.*(mlp|block_sparse_moe)\.(gate|shared_expert_gate)$"
+
 
 def matches_module(pattern: str, name: str) -> bool:
     """A quantization config's module pattern (compressed-tensors' ``targets``/``ignore``, vLLM's skip lists):

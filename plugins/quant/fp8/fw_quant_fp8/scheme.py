@@ -19,11 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from fw.interfaces.quant import ModuleSchemes
+from fw.interfaces.quant import MOE_ROUTERS, ModuleSchemes
 from fw.model_loader import ModelLoadError
 from fw_quant_fp8.hooks import is_fp8_compressed_tensors
-
-ROUTERS = r"re:.*(mlp|block_sparse_moe)\.(gate|shared_expert_gate)$"
 
 
 @dataclass(frozen=True)
@@ -59,7 +57,7 @@ class Schemes(ModuleSchemes[Scheme]):
             self.groups = [(["Linear"], Scheme("channel", "dynamic" if activations == "dynamic" else "none",
                                                online=True))]
             # MoE routers stay in float, as llm-compressor's recipes leave them: a rounded router picks other experts.
-            self.ignore = [ROUTERS]
+            self.ignore = [MOE_ROUTERS]
             return
         if method == "fp8":
             block = quant_config.get("weight_block_size")

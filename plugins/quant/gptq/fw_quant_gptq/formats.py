@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import torch
 
-from fw.interfaces.quant import ModuleSchemes
+from fw.interfaces.quant import MOE_ROUTERS, ModuleSchemes
 from fw.model_loader import ModelLoadError
 
 # AWQ's interleaved nibble order: output 8c + j of a packed word sits at nibble AWQ_NIBBLE[j].
@@ -58,23 +58,18 @@ class Schemes(ModuleSchemes[Scheme]):
     MoE routers are never quantized by these tools; the LM head and embeddings are no linear layers here.
     """
 
-    ROUTERS = r"re:.*(mlp|block_sparse_moe)\.(gate|shared_expert_gate)$"
-
     def __init__(self, quant_config: dict[str, Any]) -> None:
         super().__init__()
         method = quant_config.get("quant_method")
-        self.ignore = [self.ROUTERS]
-        self.overrides: list[tuple[str, dict[str, Any]]] = []  # GPTQModel's per-module "dynamic" settings
+        self.ignore = [MOE_ROUTERS]
+        self.overrides: list[tuple[str, Scheme]] = []  # GPTQModel's per-module "dynamic" settings, by regex
         if method == "gptq":
-            self.base = quant_config
             for pattern, settings in (quant_config.get("dynamic") or {}).items():
                 if pattern.startswith("-:"):
                     self.ignore.append("re:" + pattern[2:])
                 else:
-                    self.overrides.append((pattern.removeprefix("+:"), settings))
+                    self.overrides.append((pattern.removeprefix("+:"), _gptq({**quant_config, **settings})))
             self.groups = [(["Linear"], _gptq(quant_config))]
-            for _, settings in self.overrides:
-                _gptq({**quant_config, **settings})  # refuse unsupported overrides at load, not in the first step
         elif method == "awq":
             self.groups = [(["Linear"], _awq(quant_config))]
             self.ignore += list(quant_config.get("modules_to_not_convert") or [])
@@ -87,9 +82,9 @@ class Schemes(ModuleSchemes[Scheme]):
 
     def __call__(self, name: str) -> Scheme | None:
         scheme = super().__call__(name)
-        for pattern, settings in self.overrides:
+        for pattern, override in self.overrides:
             if scheme is not None and re.match(pattern, name):
-                return _gptq({**self.base, **settings})
+                return override
         return scheme
 
 

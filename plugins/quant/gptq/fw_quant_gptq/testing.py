@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from fw.interfaces.quant import MOE_ROUTERS, matches_module
 from fw.model_loader import iter_safetensors
 from fw_quant_gptq.formats import AWQ_NIBBLE, V1_ONES, Scheme, Schemes, decode, in_features, pack, shift_words
 from fw_quant_gptq.packed import matrix, repack
@@ -84,7 +85,7 @@ def _config(layout: str, bits: int, group: int, symmetric: bool, act_order: bool
                "actorder": "group" if act_order else None}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
-            "ignore": ["lm_head", Schemes.ROUTERS]}
+            "ignore": ["lm_head", MOE_ROUTERS]}
 
 
 def write_checkpoint(plain: Path, out: Path, *, layout: str = "gptq", bits: int = 4, group: int = 32,
@@ -93,11 +94,10 @@ def write_checkpoint(plain: Path, out: Path, *, layout: str = "gptq", bits: int 
     "pack-quantized"); act-order gives matrices that share an input one permutation."""
     if layout == "awq":
         symmetric = False  # AWQ stores zero points (zero_point: true)
-    routers = Schemes(_config("awq", 4, 128, False, False))  # which layers stay in float
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in iter_safetensors(plain):
         module = name.removesuffix(".weight")
-        if ".layers." in name and tensor.dim() == 2 and routers(module) is not None:
+        if ".layers." in name and tensor.dim() == 2 and not matches_module(MOE_ROUTERS, module):
             g_idx = group_index(module, tensor.shape[1], group, act_order)
             q, zero, scale = quantize(tensor, bits, g_idx, symmetric)
             for leaf, value in _encode(layout, bits, q, zero, scale, g_idx, symmetric, act_order).items():

@@ -29,6 +29,14 @@ struct Rows {
 // Output rows per call for M activation rows: as many as the 16 vector registers hold.
 constexpr int rows_for(int M) { return M == 1 ? 4 : M == 2 ? 2 : 1; }
 
+// Row i's offsets times the activations' group sums (gsum of one activation row): sum_g (offset_g + shift scale_g)
+// gsum_g, where `shift` is what the kernel took from every integer (128 for 8-bit weights as signed bytes).
+inline float row_offsets(const Rows& r, int i, const float* gsum, float shift) {
+  float off = 0.f;
+  for (int64_t g = 0; g < r.groups; ++g) off += (r.offset[i * r.groups + g] + shift * r.scale[i * r.groups + g]) * gsum[g];
+  return off;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 // A block's 32 integers as floats, eight per vector (elements 0-7, 8-15, 16-23, 24-31).
 inline void block_floats(const uint8_t* q, int bits, __m256 v[4]) {
@@ -92,11 +100,7 @@ void dot_rows(const float* x, const float* gsum, const Rows& r, int bits, float*
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int i = 0; i < R; ++i) {
-      float off = 0.f;
-      for (int64_t g = 0; g < r.groups; ++g) off += r.offset[i * r.groups + g] * gsum[m * r.groups + g];
-      y[m * ldy + i] = reduce_add(acc[m][i]) + off;
-    }
+    for (int i = 0; i < R; ++i) y[m * ldy + i] = reduce_add(acc[m][i]) + row_offsets(r, i, gsum + m * r.groups, 0.f);
 }
 
 // With int8 activations (llama.cpp's way: each block of x as int8 times one scale dx) a block's integer dot
@@ -134,66 +138,44 @@ void dot_rows_a8(const int8_t* xq, const float* dx, const float* gsum, const Row
   }
   const float shift = bits == 8 ? 128.f : 0.f;  // the weights went in as q - 128
   for (int m = 0; m < M; ++m)
-    for (int i = 0; i < R; ++i) {
-      float off = 0.f;
-      for (int64_t g = 0; g < r.groups; ++g)
-        off += (r.offset[i * r.groups + g] + shift * r.scale[i * r.groups + g]) * gsum[m * r.groups + g];
-      y[m * ldy + i] = reduce_add(acc[m][i]) + off;
-    }
+    for (int i = 0; i < R; ++i) y[m * ldy + i] = reduce_add(acc[m][i]) + row_offsets(r, i, gsum + m * r.groups, shift);
 }
 #else
-inline void block_ints(const uint8_t* q, int bits, int32_t* out) {
-  for (int j = 0; j < 16; ++j) {
-    out[j] = bits == 8 ? q[j] : (q[j] & 0x0f);
-    out[j + 16] = bits == 8 ? q[j + 16] : (q[j] >> 4);
+// Without AVX2: the same sums, one weight at a time. A8: the activations are int8 blocks (xq, scales dx) and 8-bit
+// weights go in as q - 128, as in the vector kernel.
+template <int M, int R, bool A8>
+void scalar_rows(const float* x, const int8_t* xq, const float* dx, const float* gsum, const Rows& r, int bits,
+                 float* y, int64_t ldy, int64_t K) {
+  const float shift = A8 && bits == 8 ? 128.f : 0.f;
+  for (int i = 0; i < R; ++i) {
+    float acc[M] = {0.f};
+    for (int64_t b = 0; b < r.blocks; ++b) {
+      const uint8_t* blk = r.q + i * r.stride + b * bits * 4;
+      float q[kBlock];
+      for (int j = 0; j < 16; ++j) {
+        q[j] = (bits == 8 ? blk[j] : (blk[j] & 0x0f)) - shift;
+        q[j + 16] = (bits == 8 ? blk[j + 16] : (blk[j] >> 4)) - shift;
+      }
+      const float s = r.scale[i * r.groups + b / r.group_blocks];
+      for (int m = 0; m < M; ++m) {
+        float dot = 0.f;  // exact for int8 activations: at most 32 x 255 x 127
+        for (int j = 0; j < kBlock; ++j) dot += q[j] * (A8 ? xq[m * K + b * kBlock + j] : x[m * K + b * kBlock + j]);
+        acc[m] += (A8 ? dx[m * r.blocks + b] : 1.f) * s * dot;
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * ldy + i] = acc[m] + row_offsets(r, i, gsum + m * r.groups, shift);
   }
 }
 
 template <int M, int R>
 void dot_rows(const float* x, const float* gsum, const Rows& r, int bits, float* y, int64_t ldy, int64_t K) {
-  for (int i = 0; i < R; ++i) {
-    float acc[M] = {0.f};
-    for (int64_t b = 0; b < r.blocks; ++b) {
-      const int64_t g = b / r.group_blocks;
-      int32_t q[kBlock];
-      block_ints(r.q + i * r.stride + b * bits * 4, bits, q);
-      for (int m = 0; m < M; ++m) {
-        const float* xb = x + m * K + b * kBlock;
-        float dot = 0.f;
-        for (int j = 0; j < kBlock; ++j) dot += q[j] * xb[j];
-        acc[m] += r.scale[i * r.groups + g] * dot;
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      for (int64_t g = 0; g < r.groups; ++g) acc[m] += r.offset[i * r.groups + g] * gsum[m * r.groups + g];
-      y[m * ldy + i] = acc[m];
-    }
-  }
+  scalar_rows<M, R, false>(x, nullptr, nullptr, gsum, r, bits, y, ldy, K);
 }
 
 template <int M, int R>
 void dot_rows_a8(const int8_t* xq, const float* dx, const float* gsum, const Rows& r, int bits, float* y,
                  int64_t ldy, int64_t K) {
-  for (int i = 0; i < R; ++i) {
-    float acc[M] = {0.f};
-    for (int64_t b = 0; b < r.blocks; ++b) {
-      const int64_t g = b / r.group_blocks;
-      int32_t q[kBlock];
-      block_ints(r.q + i * r.stride + b * bits * 4, bits, q);
-      for (int m = 0; m < M; ++m) {
-        const int8_t* xb = xq + m * K + b * kBlock;
-        int32_t dot = 0;
-        for (int j = 0; j < kBlock; ++j) dot += (bits == 8 ? q[j] - 128 : q[j]) * xb[j];
-        acc[m] += dx[m * r.blocks + b] * r.scale[i * r.groups + g] * dot;
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      for (int64_t g = 0; g < r.groups; ++g)
-        acc[m] += (r.offset[i * r.groups + g] + (bits == 8 ? 128.f : 0.f) * r.scale[i * r.groups + g]) *
-                  gsum[m * r.groups + g];
-      y[m * ldy + i] = acc[m];
-    }
-  }
+  scalar_rows<M, R, true>(nullptr, xq, dx, gsum, r, bits, y, ldy, K);
 }
 #endif
 
