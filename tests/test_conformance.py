@@ -12,6 +12,7 @@ from fw.testing.conformance import (
     plain_checkpoint,
 )
 from fw_quant_fp8 import testing as fp8
+from fw_quant_fp8.numerics import INT8
 from fw_quant_gptq import testing as gptq
 
 
@@ -43,6 +44,17 @@ class TestFp8Blocks(TestFp8):
     # DeepSeek-V3 blocks, small enough that the tiny model's matrices hold several, and partial ones.
     fixtures = {**TestFp8.fixtures, "fp8": QuantFixture(partial(fp8.write_checkpoint, kind="block", block=(32, 48)),
                                                        fp8.dequantized, 0.04)}
+
+
+class TestInt8(QuantConformance):
+    plugin = "int8"
+    # Weight-only, as TestFp8. Per-channel int8 keeps a random Gaussian layer within about 0.6%.
+    options = {"activations": "none"}
+    fixtures = {
+        "none": QuantFixture(plain_checkpoint, partial(fp8.rounded_at_load, element=INT8), 0.01),
+        "compressed-tensors-int8": QuantFixture(partial(fp8.write_checkpoint, activations=None, element=INT8),
+                                                fp8.dequantized, 0.01),
+    }
 
 
 def _int(tolerance: float, **layout) -> QuantFixture:

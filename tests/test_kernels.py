@@ -14,10 +14,11 @@ from gguf import GGMLQuantizationType, quants
 from fw import kernels
 from fw.layers import dense
 from fw_quant_fp8 import method as fp8_method
-from fw_quant_fp8.numerics import quantize_rows
+from fw_quant_fp8.numerics import INT8, quantize_rows
 from fw_quant_gguf import method as gguf_method
 from fw_quant_gguf.dequant import row_bytes
 from fw_quant_gptq import packed
+from fw_quant_int8 import method as int8_method
 
 
 @pytest.fixture
@@ -185,8 +186,24 @@ def _fp8_examples(op):
         if group:  # block scales: one per row and group of input features
             scale = scale * torch.rand(out_features, -(-in_features // group), generator=gen)
         bias = torch.randn(out_features, generator=gen).bfloat16()
-        yield (fp8_method.Fp8Weight(weight, scale, group),
+        yield (fp8_method.QuantizedRows(weight, scale, group),
                (lambda rows, n=in_features: (torch.randn(rows, n, generator=gen).bfloat16(),)), (bias,))
+
+
+def _int8_examples(op):
+    gen = torch.Generator().manual_seed(0)
+    for out_features, in_features in ((96, 64), (100, 200)):
+        weight, scale = quantize_rows(torch.randn(out_features, in_features, generator=gen), INT8)
+        bias = torch.randn(out_features, generator=gen).bfloat16()
+
+        def sample(rows, n=in_features):
+            return (torch.randn(rows, n, generator=gen).bfloat16(),)
+
+        if op.name == "int8.linear":
+            yield fp8_method.QuantizedRows(weight, scale, None), sample, (bias,)
+        else:  # dynamic and static activation scales
+            yield int8_method.W8A8Rows(weight, scale, None), sample, (bias,)
+            yield int8_method.W8A8Rows(weight, scale, None, torch.tensor(0.02)), sample, (bias,)
 
 
 def _int_examples(op):
@@ -205,7 +222,8 @@ def _int_examples(op):
 
 
 EXAMPLES = {"dense.linear": _dense_examples, "dense.logits": _dense_examples, "gguf.linear": _gguf_examples,
-            "fp8.linear": _fp8_examples, "int.linear": _int_examples, "int.linear.a8": _int_examples}
+            "fp8.linear": _fp8_examples, "int.linear": _int_examples, "int.linear.a8": _int_examples,
+            "int8.linear": _int8_examples, "int8.linear.a8": _int8_examples}
 
 
 def test_every_operation_has_examples():
@@ -239,13 +257,13 @@ def test_every_candidate_matches_the_reference_on_every_row_class(op_name):
 
 # The native candidates every CPU with a compiler runs.
 NATIVE = {"dense.logits": {"fw-portable"}, "gguf.linear": {"fw"}, "fp8.linear": {"fw"}, "int.linear": {"fw"},
-          "int.linear.a8": {"fw"}}
+          "int.linear.a8": {"fw"}, "int8.linear": {"fw"}, "int8.linear.a8": {"fw"}}
 
 
 def _key(op_name: str, weight) -> tuple:
     if op_name.startswith("dense"):
         return dense._key(weight)
-    if op_name == "fp8.linear":
+    if op_name in ("fp8.linear", "int8.linear", "int8.linear.a8"):
         return (*weight.weight.shape, weight.group, "bfloat16", "cpu")
     if op_name.startswith("int.linear"):
         return packed.key(weight, torch.bfloat16)

@@ -303,11 +303,11 @@ class Probe(Unquantized):
 
 def quant_spec(name, priority=0, options=None):
     return PluginSpec(name=name, kind="quant", impl="neighbours:Probe", capabilities=quant.QuantCapabilities(
-        formats=frozen("none", "int8")), api_version=quant.API_VERSION, description="loads plain checkpoints too",
+        formats=frozen("none", "w4")), api_version=quant.API_VERSION, description="loads plain checkpoints too",
         priority=priority, options=options)
 
 
-INT8 = quant_spec("int8")  # the default priority, 0
+W4 = quant_spec("w4")  # the default priority, 0
 HIGHER = quant_spec("higher", priority=11)
 TIED = quant_spec("tied", priority=10)
 PROBE = quant_spec("probe", options=ProbeOptions)
@@ -325,7 +325,7 @@ def neighbours(fake_site, monkeypatch, request):
     """Third-party plugins installed beside the built-ins, in this process."""
     from fw import plugins
 
-    entry_points = {"fw.quant": {n: f"neighbours:{n.upper()}" for n in ("int8", "higher", "tied", "probe")},
+    entry_points = {"fw.quant": {n: f"neighbours:{n.upper()}" for n in ("w4", "higher", "tied", "probe")},
                     "fw.attention": {"aaa": "neighbours:AAA"}, "fw.models": {"alpaca": "neighbours:ALPACA"}}
     site = fake_site("fw-neighbours", entry_points, {"neighbours": NEIGHBOURS})
     monkeypatch.syspath_prepend(str(site))
@@ -349,9 +349,9 @@ def test_installing_a_plugin_never_changes_what_auto_picks(neighbours, plain, mo
     assert result.ok, result.problems
     assert result.selected["quant"].name == "none" and result.selected["attention"].name == "torch"
     assert result.selected["models"].name == "llama"
-    assert "also fit: fp8 (9), int8 (0), probe (0)" in result.reasons["quant"]
+    assert "also fit: fp8 (9), int8 (9), probe (0), w4 (0)" in result.reasons["quant"]
     # Asked for by name, the plugin runs.
-    assert check_plain(plain, quant={"name": "int8"}).selected["quant"].name == "int8"
+    assert check_plain(plain, quant={"name": "w4"}).selected["quant"].name == "w4"
     # A higher priority, declared explicitly, is how a plugin becomes the default ...
     monkeypatch.setenv("FW_DISABLE_PLUGINS", "tied")
     result = check_plain(plain)

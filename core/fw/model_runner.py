@@ -34,7 +34,9 @@ class ModelRunner:
         ctx = ModelContext(dtype=self.dtype, quant=quant, attention=attention)
         model_cls = model_registry.resolve(hf_config).load()
         tensors = quant.load_checkpoint(config.model.model) or iter_safetensors(config.model.model)
-        self.model = load_model(model_cls, self.hf_config, ctx, tensors, device=device)
+        self.model = load_model(
+            model_cls, self.hf_config, ctx, tensors, device=device, kv_cache_dtype=config.cache.kv_cache_dtype
+        )
         self.block_size = config.cache.block_size
         # The backend lays out each layer's cache; the runner only sizes and allocates what it declares.
         self.kv_cache_specs = [

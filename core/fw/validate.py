@@ -58,6 +58,8 @@ def model_requirements(config: FwConfig, device: DeviceInfo, hf_config: dict[str
     if hf_config is not None:
         quant = hf_config.get("quantization_config") or {}
         quant_format = quant_format or quant.get("quant_method")
+        if quant_format == "compressed-tensors" and not quant.get("config_groups"):
+            quant_format = None  # plain weights: llm-compressor's KV-cache-only recipes quantize no layer
         dtype = dtype or hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
         heads = hf_config.get("num_attention_heads")
         head_size = hf_config.get("head_dim") or (hf_config["hidden_size"] // heads if heads else None)

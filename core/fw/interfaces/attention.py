@@ -91,6 +91,7 @@ class AttentionLayerSpec:
     logits_soft_cap: float | None = None  # scores become cap * tanh(scores / cap) (Gemma 2)
     mla: MLADims | None = None
     # An fp8 cache stores K / k_scale and V / v_scale: a checkpoint's calibrated scales, else 1.0 (as vLLM).
+    # fw.model_loader.KVCacheScales replaces the layer's spec with them after loading, before any step.
     k_scale: float = 1.0
     v_scale: float = 1.0
 

@@ -1,6 +1,7 @@
-"""FP8 linear layers: the weight stays float8 in memory and is widened inside the product.
+"""8-bit linear layers (FP8 here; fw-quant-int8 reuses them for INT8): the weight stays 8-bit in memory and is
+widened inside the product.
 
-Parameters are named after the checkpoint tensors' leaves: ``weight`` (float8 ``[out, in]``; the float weight of
+Parameters are named after the checkpoint tensors' leaves: ``weight`` (8-bit ``[out, in]``; the float weight of
 a plain checkpoint, quantized once loaded), the weight scale (``weight_scale`` / ``weight_scale_inv``) and, for
 static activation scales, ``input_scale``. Every weight scale is held as float32 ``[out, groups]``, one row per
 output row: a per-tensor scale of a fused sub-matrix (q, k, v) is repeated over its rows and a block scale over
@@ -8,11 +9,11 @@ its block's rows, so fused layers keep each sub-matrix's exact numerics. ``input
 sub-matrix; where they differ, each sub-matrix's rows see their own quantization of the input, as in the
 reference, which quantizes the input of each checkpoint module separately.
 
-Products (``fw.kernels`` operation ``fp8.linear``, chosen per CPU, shape and row count by timing): ``torch``
+FP8 products (``fw.kernels`` operation ``fp8.linear``, chosen per CPU, shape and row count by timing): ``torch``
 widens the weight into the activation dtype and multiplies, ``torch-fp32`` into float32 (bf16 GEMMs are several
 times slower on CPUs without bf16 arithmetic), and ``fw`` (``csrc/gemv.cpp``, CPU) widens each weight in
-registers as it reads it, at one byte a weight: the decode-sized choice. The weight is widened a chunk of rows at a time, so the float
-temporaries stay small; W8A8 schemes quantize the input first (``numerics.quantize_input``).
+registers as it reads it, at one byte a weight: the decode-sized choice. The weight is widened a chunk of rows at
+a time, so the float temporaries stay small; W8A8 schemes quantize the input first (``numerics.quantize_input``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from fw.interfaces.quant import LinearMethod, LinearSpec, MoEMethod, MoESpec, Qu
 from fw.layers import dense
 from fw.layers.moe import UnquantizedMoEMethod
 from fw.model_loader import ModelLoadError
-from fw_quant_fp8.numerics import FP8, dequantize, quantize_input, quantize_rows
+from fw_quant_fp8.numerics import E4M3, dequantize, quantize_input, quantize_rows
 from fw_quant_fp8.scheme import Scheme, Schemes
 from fw_quant_none.method import UnquantizedLinearMethod
 
@@ -68,15 +69,15 @@ def load_scale(scheme: Scheme, place: Callable[..., None], rows_needed: Callable
 
 
 @dataclass(frozen=True)
-class Fp8Weight:
+class QuantizedRows:
     """Rows of a layer's weight as its kernels read them."""
 
-    weight: torch.Tensor  # float8 [rows, in]
+    weight: torch.Tensor  # 8-bit [rows, in]
     scale: torch.Tensor  # float32 [rows, groups]
     group: int | None  # input features per scale; None: one per row
 
 
-def _product(w: Fp8Weight, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def product_in(w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     x = x.to(dtype)
     step = max(1, dense.WIDEN_CHUNK // w.weight.shape[1])
     parts = [F.linear(x, dequantize(w.weight[i : i + step], w.scale[i : i + step], w.group, dtype))
@@ -85,37 +86,52 @@ def _product(w: Fp8Weight, x: torch.Tensor, bias: torch.Tensor | None, dtype: to
     return out if bias is None else out + bias.to(dtype)
 
 
-def _native(w: Fp8Weight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _native(kernel: str, w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     group = w.group or w.weight.shape[1]
-    out = torch.ops.fw_quant_fp8.fp8_gemv(x.reshape(rows, x.shape[-1]), w.weight.view(torch.uint8), w.scale, group)
+    out = getattr(torch.ops.fw_quant_fp8, kernel)(x.reshape(rows, x.shape[-1]), w.weight.view(torch.uint8), w.scale,
+                                                   group)
     out = out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
     return out if bias is None else out + bias
 
 
-PRODUCT = kernels.Operation("fp8.linear", reference="torch")
-PRODUCT.register(kernels.Candidate(
-    "fw", _native, supports=lambda key: key[4] == "cpu" and native.load("fw_quant_fp8", _SOURCE)))
-PRODUCT.register(kernels.Candidate("torch", lambda w, x, bias=None: _product(w, x, bias, x.dtype)))
-PRODUCT.register(kernels.Candidate(
-    "torch-fp32", lambda w, x, bias=None: _product(w, x, bias, torch.float32).to(x.dtype),
-    supports=lambda key: key[3] == "bfloat16"))
+def native_supports(key: tuple) -> bool:
+    """The ``fw`` candidates' condition: a CPU weight and the kernels built (``key[4]``: the weight's device)."""
+    return key[4] == "cpu" and native.load("fw_quant_fp8", _SOURCE)
 
 
-def select_product(w: Fp8Weight, dtype: torch.dtype) -> kernels.Selection:
+def widening_product(name: str, kernel: str) -> kernels.Operation:
+    """The operation of a weight-only product with ``kernel`` (``csrc/gemv.cpp``) as its native candidate."""
+    op = kernels.Operation(name, reference="torch")
+    op.register(kernels.Candidate("fw", partial(_native, kernel), supports=native_supports))
+    op.register(kernels.Candidate("torch", lambda w, x, bias=None: product_in(w, x, bias, x.dtype)))
+    op.register(kernels.Candidate(
+        "torch-fp32", lambda w, x, bias=None: product_in(w, x, bias, torch.float32).to(x.dtype),
+        supports=lambda key: key[3] == "bfloat16"))
+    return op
+
+
+PRODUCT = widening_product("fp8.linear", "fp8_gemv")
+
+
+def select_product(op: kernels.Operation, w: QuantizedRows, dtype: torch.dtype) -> kernels.Selection:
     rows, width = w.weight.shape
     key = (rows, width, w.group, str(dtype).removeprefix("torch."), w.weight.device.type)
-    return PRODUCT.select(key, w, lambda n: (torch.randn(n, width, dtype=dtype, device=w.weight.device),))
+    return op.select(key, w, lambda n: (torch.randn(n, width, dtype=dtype, device=w.weight.device),))
+
+
+Product = Callable[..., torch.Tensor]  # (x, bias=None) -> x times the rows' weight
 
 
 class Fp8LinearMethod(LinearMethod):
-    def __init__(self, scheme: Scheme) -> None:
-        self.scheme = scheme
+    def __init__(self, scheme: Scheme, method: Fp8Method) -> None:
+        self.scheme, self.method = scheme, method
 
     def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
         scheme, rows, width = self.scheme, sum(spec.output_sizes), spec.input_size
         self.sizes, self.dtype = spec.output_sizes, spec.params_dtype
-        layer.register_parameter("weight", new_param((rows, width), spec.params_dtype if scheme.online else FP8, 0, 1))
+        dtype = spec.params_dtype if scheme.online else self.method.element.dtype
+        layer.register_parameter("weight", new_param((rows, width), dtype, 0, 1))
         if scheme.online:
             return
         check_blocks(scheme, width, spec.input_is_parallel and spec.tp_size > 1, spec.prefix)
@@ -138,7 +154,7 @@ class Fp8LinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         scheme = self.scheme
         if scheme.online:
-            weight, scale = quantize_rows(layer.weight)
+            weight, scale = quantize_rows(layer.weight, self.method.element)
             del layer.weight
             layer.register_buffer("weight", weight, persistent=False)
             layer.register_buffer("weight_scale", scale, persistent=False)
@@ -155,34 +171,43 @@ class Fp8LinearMethod(LinearMethod):
                 runs.append([start, start + size, input_scale])
             start += size
         self.runs = [
-            (slice(lo, hi), None if s is None else torch.tensor(s, device=weight.device),
-             select_product(Fp8Weight(weight[lo:hi], scale[lo:hi], scheme.group()), self.dtype))
+            (slice(lo, hi), self.method.product(QuantizedRows(weight[lo:hi], scale[lo:hi], scheme.group()), scheme,
+                                                None if s is None else torch.tensor(s, device=weight.device),
+                                                self.dtype))
             for lo, hi, s in runs
         ]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        scheme = self.scheme
-        if scheme.activations == "dynamic":
-            x = quantize_input(x, None, scheme.activation_group)
-        outs = []
-        for rows, input_scale, product in self.runs:
-            xq = x if input_scale is None else quantize_input(x, input_scale)
-            outs.append(product(xq, None if bias is None else bias[rows]))
+        outs = [product(x, None if bias is None else bias[rows]) for rows, product in self.runs]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 class Fp8Method(QuantMethod):
+    element = E4M3
+    weight_only = PRODUCT  # the operation of weight-only products
+
     def __init__(self, options: Any = None, quant_config: dict[str, Any] | None = None) -> None:
         super().__init__(options, quant_config)
-        self.schemes = Schemes(self.quant_config, options.activations if options is not None else "auto")
+        activations = options.activations if options is not None else "auto"
+        self.schemes = Schemes(self.quant_config, activations, self.element)
+
+    def product(self, w: QuantizedRows, scheme: Scheme, input_scale: torch.Tensor | None,
+                dtype: torch.dtype) -> Product:
+        """The product of activations in ``dtype`` with ``w``, quantizing them first as ``scheme`` says (with the
+        static ``input_scale`` of these rows, if any)."""
+        selected = select_product(self.weight_only, w, dtype)
+        if scheme.activations == "none":
+            return selected
+        group = scheme.activation_group if input_scale is None else None
+        return lambda x, bias=None: selected(quantize_input(x, input_scale, group, self.element), bias)
 
     def get_linear_method(self, spec: LinearSpec) -> LinearMethod:
         scheme = self.schemes.common(spec.checkpoint_names, spec.prefix)
-        return UnquantizedLinearMethod() if scheme is None else Fp8LinearMethod(scheme)
+        return UnquantizedLinearMethod() if scheme is None else Fp8LinearMethod(scheme, self)
 
     def get_moe_method(self, spec: MoESpec) -> MoEMethod:
         from fw_quant_fp8.moe import Fp8MoEMethod
 
         names = tuple(f"{spec.checkpoint_prefix}.{e}.{p}" for e in range(spec.num_experts) for p in spec.projections)
         scheme = self.schemes.common(names, spec.prefix)
-        return UnquantizedMoEMethod() if scheme is None else Fp8MoEMethod(scheme)
+        return UnquantizedMoEMethod() if scheme is None else Fp8MoEMethod(scheme, self.element)

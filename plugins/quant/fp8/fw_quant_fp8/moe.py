@@ -1,5 +1,5 @@
-"""FP8 routed experts: ``w13_*`` (gate rows, then up rows) and ``w2_*`` stacked per expert, in the linear layers'
-formats (``method``): float8 weights, float32 per-row scales ``[E, rows, groups]``, per-projection
+"""8-bit routed experts: ``w13_*`` (gate rows, then up rows) and ``w2_*`` stacked per expert, in the linear layers'
+formats (``method``): 8-bit weights, float32 per-row scales ``[E, rows, groups]``, per-projection
 ``input_scale``. Each expert widens its weights into the activation dtype when it runs."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from fw.interfaces.quant import MoEMethod, MoESpec
 from fw.layers.activation import silu_and_mul
 from fw.layers.moe import run_experts
 from fw_quant_fp8.method import check_blocks, load_scale, new_param
-from fw_quant_fp8.numerics import FP8, dequantize, quantize_input, quantize_rows
+from fw_quant_fp8.numerics import Element, dequantize, quantize_input, quantize_rows
 from fw_quant_fp8.scheme import Scheme
 
 # Which column of a stacked ``input_scale`` each projection's scale loads into.
@@ -22,8 +22,8 @@ _INPUT_COLUMN = {"w1": 0, "w3": 1, "w2": 0}
 
 
 class Fp8MoEMethod(MoEMethod):
-    def __init__(self, scheme: Scheme) -> None:
-        self.scheme = scheme
+    def __init__(self, scheme: Scheme, element: Element) -> None:
+        self.scheme, self.element = scheme, element
 
     def create_weights(self, layer: nn.Module, spec: MoESpec) -> None:
         scheme, e, h, i = self.scheme, spec.num_experts, spec.hidden_size, spec.intermediate_size
@@ -34,7 +34,7 @@ class Fp8MoEMethod(MoEMethod):
             return h if shard_id[1] == "w2" else (spec.tp_rank + 1) * i
 
         for stem, (rows, width), projections in (("w13_", (2 * i, h), 2), ("w2_", (h, i), 1)):
-            dtype = spec.params_dtype if scheme.online else FP8
+            dtype = spec.params_dtype if scheme.online else self.element.dtype
             layer.register_parameter(f"{stem}weight", new_param((e, rows, width), dtype, 0, 1))
             if scheme.online:
                 continue
@@ -50,7 +50,7 @@ class Fp8MoEMethod(MoEMethod):
         if not self.scheme.online:
             return
         for stem in ("w13_", "w2_"):
-            weight, scale = quantize_rows(getattr(layer, f"{stem}weight"))
+            weight, scale = quantize_rows(getattr(layer, f"{stem}weight"), self.element)
             delattr(layer, f"{stem}weight")
             layer.register_buffer(f"{stem}weight", weight, persistent=False)
             layer.register_buffer(f"{stem}weight_scale", scale, persistent=False)
@@ -66,13 +66,13 @@ class Fp8MoEMethod(MoEMethod):
         def project(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     input_scales: torch.Tensor | None) -> torch.Tensor:
             if scheme.activations == "dynamic":
-                rows = quantize_input(rows, None, scheme.activation_group)
+                rows = quantize_input(rows, None, scheme.activation_group, self.element)
             if input_scales is None:
                 return F.linear(rows, dequantize(weight, scale, scheme.group(), rows.dtype))
             # Static: each projection (gate, up) quantizes its own input, as the reference's separate modules do.
             parts = zip(weight.chunk(len(input_scales)), scale.chunk(len(input_scales)), input_scales, strict=True)
-            return torch.cat([F.linear(quantize_input(rows, s), dequantize(w, ws, scheme.group(), rows.dtype))
-                              for w, ws, s in parts], dim=-1)
+            return torch.cat([F.linear(quantize_input(rows, s, element=self.element),
+                                       dequantize(w, ws, scheme.group(), rows.dtype)) for w, ws, s in parts], dim=-1)
 
         def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
             gate_up = project(rows, w13[e], s13[e], layer.w13_input_scale[e] if static else None)

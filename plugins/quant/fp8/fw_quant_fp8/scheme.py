@@ -1,6 +1,6 @@
-"""What each layer's FP8 checkpoint tensors mean: read from ``quantization_config`` into a ``Scheme`` per layer.
+"""What each layer's 8-bit checkpoint tensors mean: read from ``quantization_config`` into a ``Scheme`` per layer.
 
-Three configurations name FP8 weights:
+Three configurations name FP8 weights (the first also INT8 ones, ``type: int``, for fw-quant-int8):
 
 - compressed-tensors (llm-compressor): ``config_groups`` whose ``weights`` are ``{type: float, num_bits: 8}``
   with ``strategy`` channel (``weight_scale [out, 1]``), tensor (one ``weight_scale``) or block
@@ -21,7 +21,8 @@ from typing import Any, Literal
 
 from fw.interfaces.quant import MOE_ROUTERS, ModuleSchemes
 from fw.model_loader import ModelLoadError
-from fw_quant_fp8.hooks import is_fp8_compressed_tensors
+from fw_quant_fp8.hooks import is_8bit_compressed_tensors
+from fw_quant_fp8.numerics import E4M3, Element
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Scheme:
 class Schemes(ModuleSchemes[Scheme]):
     """Checkpoint module name -> its ``Scheme``, or None for a layer the checkpoint leaves unquantized."""
 
-    def __init__(self, quant_config: dict[str, Any], activations: str) -> None:
+    def __init__(self, quant_config: dict[str, Any], activations: str, element: Element = E4M3) -> None:
         super().__init__()
         method = quant_config.get("quant_method")
         if not quant_config:
@@ -59,7 +60,7 @@ class Schemes(ModuleSchemes[Scheme]):
             # MoE routers stay in float, as llm-compressor's recipes leave them: a rounded router picks other experts.
             self.ignore = [MOE_ROUTERS]
             return
-        if method == "fp8":
+        if method == "fp8" and element is E4M3:
             block = quant_config.get("weight_block_size")
             scheme = quant_config.get("activation_scheme", "dynamic")
             if scheme not in ("dynamic", "static"):
@@ -72,12 +73,13 @@ class Schemes(ModuleSchemes[Scheme]):
                 group = Scheme("tensor", scheme, input_scales=scheme == "static")
             self.groups = [(["Linear"], group)]
             self.ignore = list(quant_config.get("ignored_layers") or quant_config.get("modules_to_not_convert") or [])
-        elif is_fp8_compressed_tensors(quant_config):
-            self.groups = [(g.get("targets") or ["Linear"], _compressed_tensors(name, g))
+        elif is_8bit_compressed_tensors(quant_config, element.type):
+            self.groups = [(g.get("targets") or ["Linear"], _compressed_tensors(name, g, element.type))
                            for name, g in quant_config["config_groups"].items()]
             self.ignore = list(quant_config.get("ignore") or [])
         else:
-            raise ModelLoadError(f"the fp8 plugin cannot load quant_method {method!r} with this configuration")
+            raise ModelLoadError(f"8-bit {element.type} weights: cannot load quant_method {method!r} with this "
+                                 "configuration")
         if activations != "auto":  # the option overrides what the checkpoint says
             self.groups = [(t, _with_activations(s, activations)) for t, s in self.groups]
 
@@ -87,17 +89,18 @@ def _with_activations(scheme: Scheme, activations: str) -> Scheme:
     return replace(scheme, activations=activations, activation_group=group)
 
 
-def _compressed_tensors(name: str, group: dict[str, Any]) -> Scheme:
+def _compressed_tensors(name: str, group: dict[str, Any], kind: str) -> Scheme:
     weights, acts = group["weights"], group.get("input_activations")
     strategy = weights.get("strategy")
     if strategy not in ("channel", "tensor", "block") or not weights.get("symmetric", True):
-        raise ModelLoadError(f"compressed-tensors group {name}: FP8 weights with strategy {strategy!r} "
-                             "(symmetric channel, tensor or block are supported)")
+        raise ModelLoadError(f"compressed-tensors group {name}: 8-bit {kind} weights with strategy {strategy!r} "
+                             f"{'symmetric' if weights.get('symmetric', True) else 'asymmetric'} (symmetric "
+                             "channel, tensor or block are supported)")
     block = tuple(weights["block_structure"]) if strategy == "block" else None
     if not acts:
         return Scheme(strategy, block=block)
-    if acts.get("type") != "float" or acts.get("num_bits") != 8:
-        raise ModelLoadError(f"compressed-tensors group {name}: activations must be FP8 too")
+    if acts.get("type") != kind or acts.get("num_bits") != 8 or not acts.get("symmetric", True):
+        raise ModelLoadError(f"compressed-tensors group {name}: activations must be symmetric 8-bit {kind} too")
     kind = acts.get("strategy")
     if acts.get("dynamic") and kind in ("token", "group"):
         return Scheme(strategy, "dynamic", acts.get("group_size") if kind == "group" else None, block)

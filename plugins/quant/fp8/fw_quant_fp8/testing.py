@@ -1,6 +1,6 @@
-"""Small FP8 checkpoints of each format the plugin loads, written from a plain one, and their dequantized weights:
-the plugin's ``QuantConformance`` fixtures, and what its tests load. Written from the formats' documentation (the
-tests check them against transformers + compressed-tensors)."""
+"""Small 8-bit checkpoints of each format the plugin (and fw-quant-int8) loads, written from a plain one, and their
+dequantized weights: the plugins' ``QuantConformance`` fixtures, and what their tests load. Written from the
+formats' documentation (the tests check them against transformers + compressed-tensors)."""
 
 from __future__ import annotations
 
@@ -13,33 +13,35 @@ from typing import Any
 import torch
 
 from fw.model_loader import iter_safetensors
-from fw_quant_fp8.numerics import FP8, FP8_MAX, dequantize, quantize_rows
+from fw_quant_fp8.numerics import E4M3, Element, dequantize, quantize_rows
 
 # Layers every format leaves in float: the MoE routers, as llm-compressor's recipes do. (The LM head and the
 # embeddings are no linear layers in the checkpoints written here.)
 ROUTER_PATTERN = r"re:.*(mlp|block_sparse_moe)\.gate$"
 
 
-def _quantize(weight: torch.Tensor, weights: str, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8 weight, its scale as the checkpoint stores it): channel [out, 1], tensor [], or block
+def _quantize(weight: torch.Tensor, weights: str, block: tuple[int, int],
+              element: Element) -> tuple[torch.Tensor, torch.Tensor]:
+    """(8-bit weight, its scale as the checkpoint stores it): channel [out, 1], tensor [], or block
     [ceil(out / b0), ceil(in / b1)]."""
     w = weight.float()
     if weights == "channel":
-        scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
+        scale = element.scale(w.abs().amax(dim=1, keepdim=True))
         expanded = scale
     elif weights == "tensor":
-        scale = expanded = w.abs().amax() / FP8_MAX
+        scale = expanded = element.scale(w.abs().amax())
     else:
         (out, width), (b0, b1) = w.shape, block
         padded = torch.nn.functional.pad(w.abs(), (0, -width % b1, 0, -out % b0))
-        scale = padded.unflatten(1, (-1, b1)).unflatten(0, (-1, b0)).amax(dim=(1, 3)) / FP8_MAX
+        scale = element.scale(padded.unflatten(1, (-1, b1)).unflatten(0, (-1, b0)).amax(dim=(1, 3)))
         expanded = scale.repeat_interleave(b0, 0)[:out].repeat_interleave(b1, 1)[:, :width]
-    return (w / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return element.round(w / expanded), scale
 
 
 def write_checkpoint(plain: Path, out: Path, *, kind: str = "compressed-tensors", weights: str = "channel",
-                     activations: str | None = "dynamic", block: tuple[int, int] = (128, 128)) -> Path:
-    """``plain`` with every decoder-layer matrix but the routers in FP8.
+                     activations: str | None = "dynamic", block: tuple[int, int] = (128, 128),
+                     element: Element = E4M3) -> Path:
+    """``plain`` with every decoder-layer matrix but the routers in FP8 (or another 8-bit ``element``).
 
     ``kind`` "compressed-tensors" (``weights`` channel or tensor; ``activations`` None, "dynamic" per token or
     "static"), "fp8" (vLLM/AutoFP8: per-tensor scales; ``activations`` "dynamic" or "static"), or "block"
@@ -52,7 +54,7 @@ def write_checkpoint(plain: Path, out: Path, *, kind: str = "compressed-tensors"
     for i, (name, tensor) in enumerate(iter_safetensors(plain)):
         module = name.removesuffix(".weight")
         if ".layers." in name and tensor.dim() == 2 and not _is_router(module):
-            q, scale = _quantize(tensor, weights, block)
+            q, scale = _quantize(tensor, weights, block, element)
             # compressed-tensors stores one-element scales as [1], AutoFP8 as scalars.
             shape = [1] if kind == "compressed-tensors" else []
             tensors[name], tensors[f"{module}.{scale_name}"] = q, scale.reshape(shape) if scale.dim() == 0 else scale
@@ -65,7 +67,7 @@ def write_checkpoint(plain: Path, out: Path, *, kind: str = "compressed-tensors"
 
     save_file(tensors, str(out / "model.safetensors"))
     config = json.loads((plain / "config.json").read_text())
-    config["quantization_config"] = _config(kind, weights, activations, block)
+    config["quantization_config"] = _config(kind, weights, activations, block, element)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (plain / extra).is_file():
@@ -77,37 +79,40 @@ def _is_router(module: str) -> bool:
     return module.endswith((".mlp.gate", ".block_sparse_moe.gate"))
 
 
-def _config(kind: str, weights: str, activations: str | None, block: tuple[int, int]) -> dict[str, Any]:
+def _config(kind: str, weights: str, activations: str | None, block: tuple[int, int],
+            element: Element) -> dict[str, Any]:
     if kind == "block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
     if kind == "fp8":
         return {"quant_method": "fp8", "activation_scheme": activations}
-    fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
-    group: dict[str, Any] = {"targets": ["Linear"], "weights": {**fp8, "strategy": weights, "dynamic": False}}
+    args = {"num_bits": 8, "type": element.type, "symmetric": True}
+    group: dict[str, Any] = {"targets": ["Linear"], "weights": {**args, "strategy": weights, "dynamic": False}}
     if activations == "dynamic":
-        group["input_activations"] = {**fp8, "strategy": "token", "dynamic": True}
+        group["input_activations"] = {**args, "strategy": "token", "dynamic": True}
     elif activations == "static":
-        group["input_activations"] = {**fp8, "strategy": "tensor", "dynamic": False}
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        group["input_activations"] = {**args, "strategy": "tensor", "dynamic": False}
+    return {"quant_method": "compressed-tensors", "format": f"{element.type}-quantized",
+            "quantization_status": "compressed",
             "config_groups": {"group_0": group}, "ignore": ["lm_head", ROUTER_PATTERN]}
 
 
-def rounded_at_load(checkpoint: Path, _options: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """A plain checkpoint's tensors as ``--quant fp8`` rounds them: every decoder-layer matrix but the routers per
-    output row."""
+def rounded_at_load(checkpoint: Path, _options: Any = None,
+                    element: Element = E4M3) -> Iterator[tuple[str, torch.Tensor]]:
+    """A plain checkpoint's tensors as ``--quant fp8`` (or ``element``'s plugin) rounds them: every decoder-layer
+    matrix but the routers per output row."""
     for name, tensor in iter_safetensors(checkpoint):
         if ".layers." in name and tensor.dim() == 2 and not _is_router(name.removesuffix(".weight")):
-            tensor = dequantize(*quantize_rows(tensor), None, torch.float32)
+            tensor = dequantize(*quantize_rows(tensor, element), None, torch.float32)
         yield name, tensor
 
 
 def dequantized(checkpoint: Path, _options: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors with every FP8 weight times its scale, in float32; scales dropped."""
+    """The checkpoint's tensors with every 8-bit weight times its scale, in float32; scales dropped."""
     tensors = dict(iter_safetensors(checkpoint))
     block = json.loads((checkpoint / "config.json").read_text())["quantization_config"].get("weight_block_size")
     for name, tensor in tensors.items():
         module, _, leaf = name.rpartition(".")
-        if tensor.dtype == FP8:
+        if tensor.dtype in (torch.float8_e4m3fn, torch.int8):
             scale = tensors.get(f"{module}.weight_scale", tensors.get(f"{module}.weight_scale_inv")).float()
             if block:
                 scale = scale.repeat_interleave(block[0], 0)[: tensor.shape[0]]

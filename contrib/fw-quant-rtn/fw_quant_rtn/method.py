@@ -24,7 +24,7 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (weight / scale[:, None]).round().to(torch.int8), scale
 
 
-class Int8LinearMethod(LinearMethod):
+class RtnLinearMethod(LinearMethod):
     def create_weights(self, layer: nn.Module, spec: LinearSpec) -> None:
         shape = (sum(spec.output_sizes), spec.input_size)
         weight = nn.Parameter(torch.empty(shape, dtype=spec.params_dtype), requires_grad=False)
@@ -43,7 +43,7 @@ class Int8LinearMethod(LinearMethod):
         return out if bias is None else out + bias
 
 
-class DenseLinearMethod(Int8LinearMethod):
+class DenseLinearMethod(RtnLinearMethod):
     """Skipped layers: the same float weight, kept, and packed for the CPU's fast kernels by ``fw.layers.dense``."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -53,8 +53,8 @@ class DenseLinearMethod(Int8LinearMethod):
         return dense.linear(x, layer.weight, bias)
 
 
-class Int8Method(QuantMethod):
+class RtnMethod(QuantMethod):
     def get_linear_method(self, spec: LinearSpec) -> LinearMethod:
         # By checkpoint name: a fused layer (q/k/v) stays in float when any of its matrices is skipped.
         skipped = any(name.rpartition(".")[2] in self.options.skip for name in spec.checkpoint_names)
-        return DenseLinearMethod() if skipped else Int8LinearMethod()
+        return DenseLinearMethod() if skipped else RtnLinearMethod()
