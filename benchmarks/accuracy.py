@@ -2,6 +2,7 @@
 
     python benchmarks/accuracy.py                            # the embedded default (SmolLM2 Q4_1 GGUF)
     python benchmarks/accuracy.py --random-model /tmp/acc-qwen2  # also a random bf16 Qwen2 (built if missing)
+    python benchmarks/accuracy.py --random-model /tmp/acc-qwen2 --quant fp8 --quant int8 --quant int8:dynamic
 
 For each model, 56 fixed chat prompts are rendered with the model's chat template, then greedily continued
 for 32 tokens (end-of-sequence ignored, so every path is compared on all 32) by:
@@ -10,6 +11,8 @@ for 32 tokens (end-of-sequence ignored, so every path is compared on all 32) by:
   it to float32 itself: an implementation we did not write);
 - fw on each path: dtype bfloat16 and float32, native kernels on and off (``FW_NATIVE``), each in its own
   process because the choice is made once per process;
+- with ``--quant NAME[:ACTIVATIONS]``, fw in bf16 with that quant plugin quantizing the random model at load
+  (``quant.activations`` = ACTIVATIONS, e.g. ``int8:dynamic`` for W8A8);
 - llama.cpp on the same GGUF file, where ``peers/setup.sh llamacpp`` has installed it (not installed here
   by this script: it builds for 10-15 minutes).
 
@@ -60,11 +63,13 @@ PATHS = [("bf16, native", "bfloat16", "1"), ("bf16, torch", "bfloat16", "0"),
          ("fp32, native", "float32", "1"), ("fp32, torch", "float32", "0")]
 
 
-def fw_worker(model: str | None, dtype: str, out: Path) -> None:
+def fw_worker(model: str | None, dtype: str, quant: str | None, out: Path) -> None:
     """Greedy continuations and first-token log-probabilities of every prompt, on this process's fw path."""
     from fw import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, max_model_len=1024, max_num_seqs=len(PROMPTS))
+    name, _, activations = (quant or "auto").partition(":")
+    options = {"quant": {"activations": activations}} if activations else {}
+    llm = LLM(model, dtype=dtype, quant=name, plugin_options=options, max_model_len=1024, max_num_seqs=len(PROMPTS))
     engine = llm.llm_engine
     first: dict[str, torch.Tensor] = {}
     sample = engine.sampler.sample
@@ -167,12 +172,13 @@ def _run(args: list[str], env: dict[str, str] | None = None, python: str = sys.e
     subprocess.run([python, __file__, *args], check=True, env={**os.environ, **(env or {})})
 
 
-def evaluate(model: str | None, work: Path) -> dict[str, dict[str, float]]:
+def evaluate(model: str | None, work: Path, quants: list[str]) -> dict[str, dict[str, float]]:
     runs = {}
-    for label, dtype, native in PATHS:
-        out = work / f"fw-{dtype}-{native}.pt"
-        _run(["--worker", "fw", "--dtype", dtype, "--out", str(out), *(["--model", model] if model else [])],
-             {"FW_NATIVE": native})
+    paths = [(*path, None) for path in PATHS] + [(f"bf16, --quant {q}", "bfloat16", "1", q) for q in quants]
+    for i, (label, dtype, native, quant) in enumerate(paths):
+        out = work / f"fw-{i}.pt"
+        _run(["--worker", "fw", "--dtype", dtype, "--out", str(out), *(["--model", model] if model else []),
+              *(["--quant", quant] if quant else [])], {"FW_NATIVE": native})
         runs[label] = torch.load(out)
     first = next(iter(runs.values()))
     model_path = first["model"]
@@ -193,6 +199,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--random-model", help="Also a random bf16 checkpoint; a missing directory gets a Qwen2-shaped "
                    "one (hidden 512, 8 layers) from fw.testing.models, small enough for a float32 reference.")
+    p.add_argument("--quant", action="append", default=[], metavar="NAME[:ACTIVATIONS]",
+                   help="Also the random model quantized at load by this quant plugin (repeatable).")
     p.add_argument("--json", help="Write the results here as well.")
     p.add_argument("--worker", choices=["fw", "reference", "llamacpp"], help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -201,7 +209,7 @@ def main() -> None:
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker == "fw":
-        return fw_worker(args.model, args.dtype, Path(args.out))
+        return fw_worker(args.model, args.dtype, args.quant[0] if args.quant else None, Path(args.out))
     if args.worker:
         worker = reference_worker if args.worker == "reference" else llamacpp_worker
         return worker(args.model, json.loads(Path(args.prompt_ids).read_text()), Path(args.out))
@@ -217,7 +225,7 @@ def main() -> None:
             if name == "embedded default" or model:
                 work = Path(tmp) / name.replace(" ", "-")
                 work.mkdir()
-                results[name] = evaluate(model, work)
+                results[name] = evaluate(model, work, args.quant if model else [])
     print(f"| model | path | first token = ref | mean common prefix (of {OUTPUT_LEN}) | identical | mean first-token KL |")
     print("|---|---|---|---|---|---|")
     for name, rows in results.items():

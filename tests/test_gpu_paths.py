@@ -1,6 +1,6 @@
-"""The paths the CPU tests cover, run on a CUDA GPU against the CPU (scripts/gpu-check.sh runs them): fp8 weights,
-GPTQ / AWQ integer weights (the torch and Triton products) and quantized KV caches through the torch attention
-backend, end to end."""
+"""The paths the CPU tests cover, run on a CUDA GPU against the CPU (scripts/gpu-check.sh runs them): fp8 weights
+(also block-scaled, through the Triton GEMM; W8A8 also through torch._scaled_mm), GPTQ / AWQ integer weights (the
+torch and Triton products) and quantized KV caches through the torch attention backend, end to end."""
 
 from __future__ import annotations
 
@@ -11,14 +11,18 @@ import torch
 
 from fw import LLM, SamplingParams
 from fw.testing.models import make_tiny_model
+from fw_quant_fp8 import testing as fp8
 from fw_quant_gptq import testing as intq
 
 PATHS = [("none", "auto"), ("fp8", "auto"), ("none", "fp8"), ("none", "int8")]
 
 
-# Integer checkpoints: (layout, extra writer settings); the product forced per run through FW_KERNELS.
-INT_PATHS = [("gptq", {"act_order": True, "symmetric": False}, "int.linear=triton"),
-             ("awq", {}, "int.linear=triton"), ("gptq", {"bits": 8}, "int.linear=torch")]
+# Quantized checkpoints: (name, writer settings, the product forced per run through FW_KERNELS).
+INT_PATHS = [("gptq", {"layout": "gptq", "act_order": True, "symmetric": False}, "int.linear=triton"),
+             ("awq", {"layout": "awq"}, "int.linear=triton"),
+             ("gptq", {"layout": "gptq", "bits": 8}, "int.linear=torch"),
+             ("fp8-block", {"kind": "block", "block": (32, 48)}, "fp8.linear=triton"),
+             ("fp8-w8a8", {"activations": "dynamic"}, "fp8.linear=triton")]
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +32,9 @@ def model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module", params=range(len(INT_PATHS)), ids=[f"{p[0]}-{p[2]}" for p in INT_PATHS])
 def int_model(request, model, tmp_path_factory):
-    layout, settings, kernels = INT_PATHS[request.param]
-    path = intq.write_checkpoint(Path(model), tmp_path_factory.mktemp("int") / layout, layout=layout, **settings)
+    name, settings, kernels = INT_PATHS[request.param]
+    writer = fp8.write_checkpoint if name.startswith("fp8") else intq.write_checkpoint
+    path = writer(Path(model), tmp_path_factory.mktemp("int") / name, **settings)
     return str(path), kernels
 
 

@@ -14,11 +14,11 @@ from gguf import GGMLQuantizationType, quants
 from fw import kernels
 from fw.layers import dense
 from fw_quant_fp8 import method as fp8_method
-from fw_quant_fp8.numerics import INT8, quantize_rows
+from fw_quant_fp8.numerics import E4M3, INT8, quantize_rows
 from fw_quant_gguf import method as gguf_method
 from fw_quant_gguf.dequant import row_bytes
 from fw_quant_gptq import packed
-from fw_quant_int8 import method as int8_method
+from fw_quant_int8 import method as int8_method  # noqa: F401 (registers the int8 operations)
 
 
 @pytest.fixture
@@ -52,6 +52,19 @@ class _Fake:
 
     def select(self, key=("k",)) -> kernels.Selection:
         return self.op.select(key, "w", lambda rows: (torch.zeros(rows, 4),))
+
+
+def test_a_candidate_that_fails_here_is_never_chosen(cache, monkeypatch, caplog):
+    fake = _Fake(monkeypatch, {"a": {1: 2.0, 32: 2.0}, "broken": {1: 1.0, 32: 1.0}})
+
+    def broken(state, x):
+        if x.shape[0] == 32:
+            raise RuntimeError("needs sizes divisible by 16")
+        return fake._run("broken", x)
+
+    fake.op.candidates["broken"] = kernels.Candidate("broken", broken)
+    assert fake.select().names == ("broken", "a")
+    assert "kernel candidate broken failed here and is not chosen: needs sizes divisible by 16" in caplog.text
 
 
 def test_the_fastest_candidate_per_row_class_runs_and_is_cached(cache, monkeypatch):
@@ -190,10 +203,11 @@ def _fp8_examples(op):
                (lambda rows, n=in_features: (torch.randn(rows, n, generator=gen).bfloat16(),)), (bias,))
 
 
-def _int8_examples(op):
+def _eight_bit_examples(op):
     gen = torch.Generator().manual_seed(0)
+    element = E4M3 if op.name.startswith("fp8") else INT8
     for out_features, in_features in ((96, 64), (100, 200)):
-        weight, scale = quantize_rows(torch.randn(out_features, in_features, generator=gen), INT8)
+        weight, scale = quantize_rows(torch.randn(out_features, in_features, generator=gen), element)
         bias = torch.randn(out_features, generator=gen).bfloat16()
 
         def sample(rows, n=in_features):
@@ -202,8 +216,8 @@ def _int8_examples(op):
         if op.name == "int8.linear":
             yield fp8_method.QuantizedRows(weight, scale, None), sample, (bias,)
         else:  # dynamic and static activation scales
-            yield int8_method.W8A8Rows(weight, scale, None), sample, (bias,)
-            yield int8_method.W8A8Rows(weight, scale, None, torch.tensor(0.02)), sample, (bias,)
+            yield fp8_method.W8A8Rows(weight, scale, None), sample, (bias,)
+            yield fp8_method.W8A8Rows(weight, scale, None, torch.tensor(0.02)), sample, (bias,)
 
 
 def _int_examples(op):
@@ -223,7 +237,8 @@ def _int_examples(op):
 
 EXAMPLES = {"dense.linear": _dense_examples, "dense.logits": _dense_examples, "gguf.linear": _gguf_examples,
             "fp8.linear": _fp8_examples, "int.linear": _int_examples, "int.linear.a8": _int_examples,
-            "int8.linear": _int8_examples, "int8.linear.a8": _int8_examples}
+            "int8.linear": _eight_bit_examples, "int8.linear.a8": _eight_bit_examples,
+            "fp8.linear.a8": _eight_bit_examples}
 
 
 def test_every_operation_has_examples():
@@ -257,13 +272,13 @@ def test_every_candidate_matches_the_reference_on_every_row_class(op_name):
 
 # The native candidates every CPU with a compiler runs.
 NATIVE = {"dense.logits": {"fw-portable"}, "gguf.linear": {"fw"}, "fp8.linear": {"fw"}, "int.linear": {"fw"},
-          "int.linear.a8": {"fw"}, "int8.linear": {"fw"}, "int8.linear.a8": {"fw"}}
+          "int.linear.a8": {"fw"}, "int8.linear": {"fw"}, "int8.linear.a8": {"fw"}, "fp8.linear.a8": {"fw"}}
 
 
 def _key(op_name: str, weight) -> tuple:
     if op_name.startswith("dense"):
         return dense._key(weight)
-    if op_name in ("fp8.linear", "int8.linear", "int8.linear.a8"):
+    if op_name in ("fp8.linear", "fp8.linear.a8", "int8.linear", "int8.linear.a8"):
         return (*weight.weight.shape, weight.group, "bfloat16", "cpu")
     if op_name.startswith("int.linear"):
         return packed.key(weight, torch.bfloat16)

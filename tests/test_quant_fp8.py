@@ -261,3 +261,27 @@ def test_fp8_experts_match_their_dequantized_reference(arch, weights, tmp_path):
         assert error < 1e-5, f"{name}: relative error {error:.3g}"
     assert len(fw_greedy(path)[0]) == 16
 
+
+
+@pytest.mark.parametrize("element", ["fp8", "int8"])
+@pytest.mark.parametrize("shape, group", [((96, 64), None), ((100, 200), 64), ((40, 130), 48)])
+def test_triton_gemm_in_the_interpreter(element, shape, group):
+    """The CUDA kernel's arithmetic, run by Triton's interpreter on the CPU in float32 (tests/conftest.py), with
+    every FP8 byte widened exactly."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter check is the CPU's; CUDA runs it in tests/test_gpu_paths.py")
+    from fw_quant_fp8.triton_gemm import gemm8
+
+    gen = torch.Generator().manual_seed(0)
+    elements = {"fp8": numerics.E4M3, "int8": numerics.INT8}
+    weight, scale = numerics.quantize_rows(torch.randn(*shape, generator=gen), elements[element])
+    if group:  # block scales: one per row and group of input features
+        scale = scale * torch.rand(shape[0], -(-shape[1] // group), generator=gen)
+    x = torch.randn(5, shape[1], generator=gen)
+    expected = x.double() @ numerics.dequantize(weight, scale, group, torch.float64).T
+    got = gemm8(x, weight, scale, group)
+    assert ((got.double() - expected).norm() / expected.norm()).item() < 1e-6
+    if element == "fp8":  # all 256 bytes but NaN, subnormals included
+        every = torch.arange(256, dtype=torch.uint8).view(numerics.FP8).float().nan_to_num(0.0).to(numerics.FP8)
+        assert torch.equal(gemm8(torch.eye(32), every.view(8, 32), torch.ones(8, 1), None).T, every.view(8, 32).float())

@@ -179,3 +179,34 @@ def test_int8_experts_match_their_dequantized_reference(arch, tmp_path):
         error = ((got - expected).norm() / expected.norm()).item()
         assert error < 1e-5, f"{name}: relative error {error:.3g}"
     assert len(fw_greedy(path)[0]) == 16
+
+
+# --- the LM head, rounded only when asked ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plugin, activations", [("int8", "auto"), ("fp8", "auto"), ("int8", "dynamic")])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_lm_head_is_rounded_per_row_only_when_asked(plugin, activations, tied, tmp_path):
+    from fw_quant_fp8.method import Fp8Method
+    from fw_quant_fp8.numerics import E4M3, quantize_rows
+    from fw_quant_fp8.spec import Fp8Options
+
+    method, options, element = {"int8": (Int8Method, Int8Options, INT8), "fp8": (Fp8Method, Fp8Options, E4M3)}[plugin]
+    path = make_tiny_model("Qwen2ForCausalLM", tmp_path / "plain", tie_word_embeddings=tied)
+    table = dict(iter_safetensors(path))["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    assert load_layers(path, method(options())).lm_head.quantized is None  # the default keeps it in float
+    model = load_layers(path, method(options(lm_head=True, activations=activations)))
+    hidden = torch.randn(3, table.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    rounded = dequantize(*quantize_rows(table, element), None, torch.float32)
+    inputs = hidden if activations == "auto" else quantize_input(hidden, None, None, element)
+    torch.testing.assert_close(logits, F.linear(inputs, rounded), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(logits, F.linear(hidden, table), rtol=1e-5, atol=1e-5)  # it really was rounded
+    if tied:  # the lookup still reads the float table
+        assert torch.equal(model.model.embed_tokens.weight, table)
+    else:  # the float head is gone: its memory is the point
+        assert not hasattr(model.lm_head, "weight")
+    tokens = fw_greedy(path, quant=plugin, plugin_options={"quant": {"lm_head": True, "activations": activations}})
+    assert [len(t) for t in tokens] == [16, 16]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import importlib.util
 import json
 import logging
 import math
@@ -50,6 +51,11 @@ SLOWER_CUTOFF = 3.0  # a candidate this much slower than the best on its first c
 BUSY_SHARE = 0.1  # a choice timed while other processes took more of the CPUs than this is not cached
 CACHE_VERSION = 1
 _clock = time.perf_counter  # tests replace it
+
+
+def importable(module: str) -> bool:
+    """Whether ``module`` is installed (for a candidate's ``supports``), found without importing it."""
+    return importlib.util.find_spec(module) is not None
 
 
 def _identity(weight: Any) -> Any:
@@ -179,9 +185,14 @@ class Operation:
 
 def _race(calls: dict[str, Callable[[], Any]]) -> dict[str, float]:
     """Each call's fastest time, after a warm-up call. One far slower than the best in the first round is not
-    run again. Rounds interleave the calls, so a busy machine slows them alike."""
-    for call in calls.values():
-        call()
+    run again. Rounds interleave the calls, so a busy machine slows them alike. A call that fails its warm-up is
+    left out: a candidate this machine cannot run after all (a library's shape or driver limits) is never chosen."""
+    for name, call in list(calls.items()):
+        try:
+            call()
+        except Exception as exc:
+            logger.warning("kernel candidate %s failed here and is not chosen: %s", name, exc)
+            del calls[name]
     fastest = {name: _once(call) for name, call in calls.items()}
     best = min(fastest.values())
     racing = [name for name, t in fastest.items() if t <= SLOWER_CUTOFF * best]

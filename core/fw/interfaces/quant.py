@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
@@ -225,6 +225,12 @@ class QuantMethod(ABC):
         from fw.layers.moe import UnquantizedMoEMethod
 
         return UnquantizedMoEMethod()
+
+    def get_logits_method(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A product for the LM head, made from its loaded float weight (this rank's vocabulary rows; the
+        embedding's table when tied, which the lookup keeps using): hidden states -> float32 logits. None, the
+        default, keeps the head in float: its rounding moves the logits more than any other layer's."""
+        return None
 
     def checkpoint_config(self, model_path: str) -> dict[str, Any] | None:
         """For single-file formats the core cannot read (GGUF): the Hugging Face–style config dict.

@@ -6,9 +6,13 @@ all-reduces; the LM head computes its slice of the logits and all-gathers.
 With tied embeddings the head shares the embedding's parameter. On the CPU
 the head packs its weight for fw's kernels (``fw.layers.dense``; a copy when
 tied): the largest matrix of a small model, read in full every decode step.
+A quant plugin may replace that product (``QuantMethod.get_logits_method``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +21,9 @@ from torch import nn
 from fw.distributed import get_tp_group
 from fw.layers import dense
 from fw.layers.utils import check_dtype, check_shape
+
+if TYPE_CHECKING:
+    from fw.interfaces.quant import QuantMethod
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -49,12 +56,23 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     tied = False
 
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, params_dtype: torch.dtype,
+                 quant: QuantMethod | None = None) -> None:
+        super().__init__(num_embeddings, embedding_dim, params_dtype=params_dtype)
+        self.quant = quant
+        self.quantized: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's table (``tie_word_embeddings``)."""
         self.weight = embedding.weight
         self.tied = True
 
     def process_weights_after_loading(self) -> None:
+        self.quantized = self.quant.get_logits_method(self.weight) if self.quant is not None else None
+        if self.quantized is not None:
+            if not self.tied:  # the quant method holds what it computes with
+                del self.weight
+            return
         packed = dense.pack_logits(self.weight)
         if packed is self.weight:
             return
@@ -66,7 +84,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits over the full vocabulary, on every rank, whatever the model's dtype."""
-        logits = dense.logits(hidden, getattr(self, "packed_weight", self.weight))
+        if self.quantized is not None:
+            logits = self.quantized(hidden)
+        else:
+            logits = dense.logits(hidden, getattr(self, "packed_weight", self.weight))
         if self.tp.world_size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]

@@ -210,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
             )
             layers.append(DecoderLayer(attn, self.make_mlp(config, ctx, i, f"{prefix}.mlp"), config, ctx))
         self.model = DecoderModel(layers, config, ctx)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=ctx.dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=ctx.dtype, quant=ctx.quant)
         if config.get("tie_word_embeddings", False):
             self.lm_head.tie(self.model.embed_tokens)
 

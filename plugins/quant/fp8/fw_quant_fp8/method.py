@@ -11,9 +11,12 @@ reference, which quantizes the input of each checkpoint module separately.
 
 FP8 products (``fw.kernels`` operation ``fp8.linear``, chosen per CPU, shape and row count by timing): ``torch``
 widens the weight into the activation dtype and multiplies, ``torch-fp32`` into float32 (bf16 GEMMs are several
-times slower on CPUs without bf16 arithmetic), and ``fw`` (``csrc/gemv.cpp``, CPU) widens each weight in
-registers as it reads it, at one byte a weight: the decode-sized choice. The weight is widened a chunk of rows at
-a time, so the float temporaries stay small; W8A8 schemes quantize the input first (``numerics.quantize_input``).
+times slower on CPUs without bf16 arithmetic), ``fw`` (``csrc/gemv.cpp``, CPU) widens each weight in registers
+as it reads it, at one byte a weight: the decode-sized choice, and ``triton`` (CUDA, ``triton_gemm``) widens
+tiles, block scales included. The torch candidates widen a chunk of rows at a time, so the float temporaries stay
+small. W8A8 schemes round the input first (``numerics.quantize_input``): operation ``fp8.linear.a8`` for scales per
+token or static ones, whose candidates are those above on rounded activations and, on CUDA GPUs with FP8 tensor
+cores, ``torch._scaled_mm``; per-group activation scales go through ``fp8.linear`` after rounding.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from fw.interfaces.quant import LinearMethod, LinearSpec, MoEMethod, MoESpec, Qu
 from fw.layers import dense
 from fw.layers.moe import UnquantizedMoEMethod
 from fw.model_loader import ModelLoadError
-from fw_quant_fp8.numerics import E4M3, dequantize, quantize_input, quantize_rows
+from fw_quant_fp8.numerics import E4M3, Element, dequantize, quantize_input, quantize_rows
 from fw_quant_fp8.scheme import Scheme, Schemes
 from fw_quant_none.method import UnquantizedLinearMethod
 
@@ -95,6 +98,13 @@ def _native(kernel: str, w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor |
     return out if bias is None else out + bias
 
 
+def _triton(w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    from fw_quant_fp8.triton_gemm import gemm8
+
+    out = gemm8(x.reshape(-1, x.shape[-1]), w.weight, w.scale, w.group).view(*x.shape[:-1], w.weight.shape[0])
+    return out if bias is None else out + bias
+
+
 def native_supports(key: tuple) -> bool:
     """The ``fw`` candidates' condition: a CPU weight and the kernels built (``key[4]``: the weight's device)."""
     return key[4] == "cpu" and native.load("fw_quant_fp8", _SOURCE)
@@ -108,10 +118,59 @@ def widening_product(name: str, kernel: str) -> kernels.Operation:
     op.register(kernels.Candidate(
         "torch-fp32", lambda w, x, bias=None: product_in(w, x, bias, torch.float32).to(x.dtype),
         supports=lambda key: key[3] == "bfloat16"))
+    op.register(kernels.Candidate(
+        "triton", _triton, supports=lambda key: key[4] == "cuda" and kernels.importable("triton")))
     return op
 
 
+@dataclass(frozen=True)
+class W8A8Rows(QuantizedRows):
+    """Rows whose product first rounds the activations to the weight's element type, with a scale per token or the
+    static ``input_scale``."""
+
+    input_scale: torch.Tensor | None = None
+
+
+def w8a8_product(name: str, weight_only: kernels.Operation, element: Element,
+                 own: tuple[kernels.Candidate, ...]) -> kernels.Operation:
+    """The operation of a W8A8 product: the ``own`` candidates (which take unrounded activations), and every
+    other candidate of ``weight_only`` after rounding the activations as the reference does."""
+    op = kernels.Operation(name, reference="torch")
+    for candidate in own:
+        op.register(candidate)
+    for c in weight_only.candidates.values():
+        if c.name not in op.candidates:
+            op.register(kernels.Candidate(
+                c.name,
+                lambda w, x, bias=None, run=c.run: run(w, quantize_input(x, w.input_scale, None, element), bias),
+                c.prepare, c.layout, c.supports))
+    return op
+
+
+def _scaled_mm(w: W8A8Rows, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if w.input_scale is None:
+        scale = E4M3.scale(rows.abs().amax(dim=-1, keepdim=True))
+    else:
+        scale = w.input_scale.to(x.dtype).reshape(1, 1).expand(rows.shape[0], 1)
+    q = E4M3.round(rows / scale)
+    out = torch._scaled_mm(q, w.weight.t(), scale_a=scale.float().contiguous(), scale_b=w.scale.reshape(1, -1),
+                           out_dtype=x.dtype).view(*x.shape[:-1], w.weight.shape[0])
+    return out if bias is None else out + bias
+
+
+def _has_fp8_matmul(key: tuple) -> bool:
+    """CUDA FP8 tensor cores (compute capability 8.9+) and the sizes ``torch._scaled_mm`` takes (multiples of 16)."""
+    rows, width, group, _, device = key
+    return (device == "cuda" and group is None and rows % 16 == 0 and width % 16 == 0
+            and torch.cuda.get_device_capability() >= (8, 9))
+
+
 PRODUCT = widening_product("fp8.linear", "fp8_gemv")
+# W8A8 with a scale per token or a static one (no groups): the widening products on rounded activations, and
+# torch._scaled_mm's FP8 GEMM where the GPU has one.
+W8A8 = w8a8_product("fp8.linear.a8", PRODUCT, E4M3,
+                    (kernels.Candidate("scaled-mm", _scaled_mm, supports=_has_fp8_matmul),))
 
 
 def select_product(op: kernels.Operation, w: QuantizedRows, dtype: torch.dtype) -> kernels.Selection:
@@ -185,6 +244,7 @@ class Fp8LinearMethod(LinearMethod):
 class Fp8Method(QuantMethod):
     element = E4M3
     weight_only = PRODUCT  # the operation of weight-only products
+    w8a8 = W8A8  # and of products with activations rounded per token or by a static scale
 
     def __init__(self, options: Any = None, quant_config: dict[str, Any] | None = None) -> None:
         super().__init__(options, quant_config)
@@ -195,11 +255,22 @@ class Fp8Method(QuantMethod):
                 dtype: torch.dtype) -> Product:
         """The product of activations in ``dtype`` with ``w``, quantizing them first as ``scheme`` says (with the
         static ``input_scale`` of these rows, if any)."""
+        if scheme.activations != "none" and scheme.activation_group is None and w.group is None:
+            return select_product(self.w8a8, W8A8Rows(w.weight, w.scale, None, input_scale), dtype)
         selected = select_product(self.weight_only, w, dtype)
         if scheme.activations == "none":
             return selected
         group = scheme.activation_group if input_scale is None else None
         return lambda x, bias=None: selected(quantize_input(x, input_scale, group, self.element), bias)
+
+    def get_logits_method(self, weight: torch.Tensor) -> Product | None:
+        if self.options is None or not self.options.lm_head:
+            return None
+        q, scale = quantize_rows(weight, self.element)
+        # Weight-only unless every layer's activations are quantized (option dynamic): then the head's too.
+        scheme = Scheme("channel", "dynamic" if self.options.activations == "dynamic" else "none")
+        product = self.product(QuantizedRows(q, scale, None), scheme, None, torch.float32)
+        return lambda hidden: product(hidden.float())
 
     def get_linear_method(self, spec: LinearSpec) -> LinearMethod:
         scheme = self.schemes.common(spec.checkpoint_names, spec.prefix)

@@ -18,6 +18,13 @@ class Fp8Options(BaseModel):
         "activations), none for plain checkpoints quantized at load (W8A16); none: weight-only everywhere; "
         "dynamic: per-token dynamic scales everywhere (W8A8), also for plain checkpoints.",
     )
+    lm_head: bool = Field(
+        False,
+        description="Also round the LM head to FP8 per row at load (float32 logits; its activations too where the "
+        "activations option is dynamic; a tied embedding "
+        "keeps its float table for the lookup). Off by default, as in vLLM: the head's rounding moves the logits "
+        "most, and it is the largest matrix of a small model, so on a CPU it is the largest saving.",
+    )
 
 
 SPEC = PluginSpec(

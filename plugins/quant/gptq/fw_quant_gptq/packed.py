@@ -125,12 +125,6 @@ def _triton(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> 
     return out if bias is None else out + bias
 
 
-def _has_triton() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
-
-
 # key: (N, K, bits, group, dtype, device)
 PRODUCT = kernels.Operation("int.linear", reference="torch")
 PRODUCT.register(kernels.Candidate(
@@ -141,7 +135,8 @@ PRODUCT.register(kernels.Candidate("torch", lambda w, x, bias=None: _product(w, 
 PRODUCT.register(kernels.Candidate(
     "torch-fp32", lambda w, x, bias=None: _product(w, x, bias, torch.float32).to(x.dtype),
     supports=lambda key: key[4] == "bfloat16"))
-PRODUCT.register(kernels.Candidate("triton", _triton, supports=lambda key: key[5] == "cuda" and _has_triton()))
+PRODUCT.register(kernels.Candidate(
+    "triton", _triton, supports=lambda key: key[5] == "cuda" and kernels.importable("triton")))
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

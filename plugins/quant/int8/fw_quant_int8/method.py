@@ -5,31 +5,22 @@ products.
   (``fw`` widens each int8 in registers) with its ``torch`` / ``torch-fp32`` candidates.
 - W8A8 (the checkpoint's ``input_activations``, or ``quant.activations=dynamic``): operation ``int8.linear.a8``.
   ``fw`` (``csrc/w8a8.cpp``, CPU) rounds each activation row to int8 as compressed-tensors does and multiplies in
-  integers; ``torch`` / ``torch-fp32`` are the reference formula (activations through int8 and back, then a float
-  product), which every other device runs. Activation scales per group of input features, and block weight
-  scales, use the formula too.
+  integers; the other candidates are the weight-only ones on activations rounded by the reference formula
+  (through int8 and back), which every other device runs. Activation scales per group of input features, and block
+  weight scales, round first and go through ``int8.linear``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from fw import kernels, native
-from fw_quant_fp8.method import Fp8Method, Product, QuantizedRows, product_in, select_product, widening_product
-from fw_quant_fp8.numerics import INT8, quantize_input
-from fw_quant_fp8.scheme import Scheme
+from fw_quant_fp8.method import Fp8Method, W8A8Rows, w8a8_product, widening_product
+from fw_quant_fp8.numerics import INT8
 
 _SOURCE = Path(__file__).parent / "csrc" / "w8a8.cpp"
-
-WEIGHT_ONLY = widening_product("int8.linear", "int8_gemv")
-
-
-@dataclass(frozen=True)
-class W8A8Rows(QuantizedRows):
-    input_scale: torch.Tensor | None = None  # a static activation scale; None: one per token
 
 
 def _native(w: W8A8Rows, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,26 +30,13 @@ def _native(w: W8A8Rows, x: torch.Tensor, bias: torch.Tensor | None = None) -> t
     return out if bias is None else out + bias
 
 
-def _formula(w: W8A8Rows, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    return product_in(w, quantize_input(x, w.input_scale, None, INT8), bias, dtype)
-
-
-W8A8 = kernels.Operation("int8.linear.a8", reference="torch")
-W8A8.register(kernels.Candidate(
+WEIGHT_ONLY = widening_product("int8.linear", "int8_gemv")
+W8A8 = w8a8_product("int8.linear.a8", WEIGHT_ONLY, INT8, (kernels.Candidate(
     "fw", _native, supports=lambda key: key[4] == "cpu" and key[3] in ("float32", "bfloat16")
-    and native.load("fw_quant_int8", _SOURCE)))
-W8A8.register(kernels.Candidate("torch", lambda w, x, bias=None: _formula(w, x, bias, x.dtype)))
-W8A8.register(kernels.Candidate(
-    "torch-fp32", lambda w, x, bias=None: _formula(w, x, bias, torch.float32).to(x.dtype),
-    supports=lambda key: key[3] == "bfloat16"))
+    and native.load("fw_quant_int8", _SOURCE)),))
 
 
 class Int8Method(Fp8Method):
     element = INT8
     weight_only = WEIGHT_ONLY
-
-    def product(self, w: QuantizedRows, scheme: Scheme, input_scale: torch.Tensor | None,
-                dtype: torch.dtype) -> Product:
-        if scheme.activations == "none" or scheme.activation_group or w.group:
-            return super().product(w, scheme, input_scale, dtype)
-        return select_product(W8A8, W8A8Rows(w.weight, w.scale, None, input_scale), dtype)
+    w8a8 = W8A8

@@ -19,6 +19,13 @@ class Int8Options(BaseModel):
         "dynamic: int8 activations with a scale per token everywhere (W8A8, integer products), also for plain "
         "checkpoints.",
     )
+    lm_head: bool = Field(
+        False,
+        description="Also round the LM head to INT8 per row at load (float32 logits; its activations too where the "
+        "activations option is dynamic; a tied embedding "
+        "keeps its float table for the lookup). Off by default, as in vLLM: the head's rounding moves the logits "
+        "most, and it is the largest matrix of a small model, so on a CPU it is the largest saving.",
+    )
 
 
 SPEC = PluginSpec(
