@@ -167,3 +167,37 @@ def hf_greedy(model, tokenizer_path) -> list[list[int]]:
         gen = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
         out.append(gen[0, ids.shape[1]:].tolist())
     return out
+
+
+def assert_layers_match_modules(pairs, reference, decoded, tolerance: float) -> None:
+    """Each fw linear layer against its checkpoint modules in ``reference`` (a transformers model) that it fuses:
+    ``decoded(layer)``, its weight as the plugin decodes it, exactly equals theirs, and its outputs on random
+    inputs are within ``tolerance`` (relative) of theirs. ``pairs``: (fw layer, its checkpoint module names)."""
+    gen = torch.Generator().manual_seed(0)
+    for layer, names in pairs:
+        ref_modules = [reference.get_submodule(n) for n in names]
+        assert torch.equal(decoded(layer), torch.cat([m.weight for m in ref_modules])), names
+        x = 3 * torch.randn(1, 7, layer.spec.input_size, generator=gen)
+        with torch.no_grad():
+            expected = torch.cat([m(x) for m in ref_modules], dim=-1)[0]
+            got = layer(x[0])
+        error = ((got - expected).norm() / expected.norm()).item()
+        assert error < tolerance, f"{names}: relative error {error:.3g}"
+
+
+def assert_experts_match(model, reference, tolerance: float = 1e-5) -> list:
+    """Every routed-expert block of ``model`` against the same block of ``reference`` on random tokens, its router
+    left in float; returns the blocks."""
+    from fw.models.moe import SparseMoeBlock
+
+    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
+    assert blocks
+    gen = torch.Generator().manual_seed(0)
+    for name, block in blocks:
+        assert block.gate.weight.dtype == torch.float32  # a rounded router would pick other experts
+        x = torch.randn(16, block.experts.spec.hidden_size, generator=gen)
+        with torch.no_grad():
+            got, expected = block(x), reference.get_submodule(name)(x)
+        error = ((got - expected).norm() / expected.norm()).item()
+        assert error < tolerance, f"{name}: relative error {error:.3g}"
+    return [block for _, block in blocks]

@@ -15,10 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import fw_greedy, hf_greedy, load_layers
+from conftest import assert_experts_match, assert_layers_match_modules, fw_greedy, hf_greedy, load_layers
 from fw import model_registry
 from fw.model_loader import iter_safetensors
-from fw.models.moe import SparseMoeBlock
 from fw.testing.conformance import HooksConformance
 from fw.testing.models import make_tiny_model
 from fw_quant_fp8 import hooks, numerics
@@ -104,17 +103,8 @@ def test_compressed_tensors_layers_match_the_reference(ct_checkpoint):
     model = load_layers(path, fp8_method(path))
     pairs = list(fused_pairs(model))
     assert len(pairs) == 4 * 2  # every linear layer of both decoder layers
-    gen = torch.Generator().manual_seed(0)
-    for layer, names in pairs:
-        ref_modules = [reference.get_submodule(n) for n in names]
-        # Decoded weights: exactly transformers + compressed-tensors' decompression.
-        assert torch.equal(fw_weight(layer), torch.cat([m.weight for m in ref_modules])), names
-        x = 3 * torch.randn(1, 7, layer.spec.input_size, generator=gen)
-        with torch.no_grad():
-            expected = torch.cat([m(x) for m in ref_modules], dim=-1)[0]
-            got = layer(x[0])
-        error = ((got - expected).norm() / expected.norm()).item()
-        assert error < 2e-6, f"{names}: relative error {error:.3g}"
+    # Decoded weights: exactly transformers + compressed-tensors' decompression.
+    assert_layers_match_modules(pairs, reference, fw_weight, 2e-6)
 
 
 def test_compressed_tensors_greedy_tokens_match_the_reference(ct_checkpoint):
@@ -248,17 +238,8 @@ def test_fp8_experts_match_their_dequantized_reference(arch, weights, tmp_path):
                                 activations=None)
     model = load_layers(path, fp8_method(path))
     reference = load_layers(path, Unquantized(), fp8.dequantized(path))
-    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
-    assert blocks
-    gen = torch.Generator().manual_seed(0)
-    for name, block in blocks:
+    for block in assert_experts_match(model, reference):
         assert block.experts.w13_weight.dtype == numerics.FP8
-        assert block.gate.weight.dtype == torch.float32  # the router stays in float
-        x = torch.randn(16, block.experts.spec.hidden_size, generator=gen)
-        with torch.no_grad():
-            got, expected = block(x), reference.get_submodule(name)(x)
-        error = ((got - expected).norm() / expected.norm()).item()
-        assert error < 1e-5, f"{name}: relative error {error:.3g}"
     assert len(fw_greedy(path)[0]) == 16
 
 

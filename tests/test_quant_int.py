@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_models import PagedRunner, reference_logits
 
-from conftest import fw_greedy, hf_greedy, load_layers
+from conftest import assert_experts_match, fw_greedy, hf_greedy, load_layers
 from fw import LLM, SamplingParams, model_registry
 from fw.model_loader import ModelLoadError, iter_safetensors, load_model
 from fw.models.base import HFConfig, ModelContext
@@ -260,17 +260,8 @@ def test_integer_experts_match_their_dequantized_reference(arch, variant, tmp_pa
     path = write(make_tiny_model(arch, tmp_path / "plain"), tmp_path / "q", variant)
     model = load_layers(path, int_method(path))
     reference = load_layers(path, Unquantized(), intq.dequantized(path))
-    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
-    assert blocks
-    gen = torch.Generator().manual_seed(0)
-    for name, block in blocks:
+    for block in assert_experts_match(model, reference):
         assert len(block.experts.moe_method.experts) == block.experts.spec.num_experts
-        assert block.gate.weight.dtype == torch.float32  # the router stays in float
-        x = torch.randn(16, block.experts.spec.hidden_size, generator=gen)
-        with torch.no_grad():
-            got, expected = block(x), reference.get_submodule(name)(x)
-        error = ((got - expected).norm() / expected.norm()).item()
-        assert error < 1e-5, f"{name}: relative error {error:.3g}"
     assert fw_greedy(path) == fw_greedy(float_copy(path, tmp_path / "float"))
 
 

@@ -11,10 +11,9 @@ import torch
 import torch.nn.functional as F
 from test_quant_fp8 import FUSED, ct_reference
 
-from conftest import fw_greedy, hf_greedy, load_layers
+from conftest import assert_experts_match, assert_layers_match_modules, fw_greedy, hf_greedy, load_layers
 from fw import model_registry
 from fw.model_loader import iter_safetensors
-from fw.models.moe import SparseMoeBlock
 from fw.testing.conformance import HooksConformance
 from fw.testing.models import make_tiny_model
 from fw_quant_fp8 import hooks as fp8_hooks
@@ -77,18 +76,9 @@ def test_compressed_tensors_layers_match_the_reference(ct_checkpoint):
     model = load_layers(path, int8_method(path))
     pairs = list(int8_pairs(model))
     assert len(pairs) == 4 * 2  # every linear layer of both decoder layers
-    gen = torch.Generator().manual_seed(0)
-    for layer, names in pairs:
-        ref_modules = [reference.get_submodule(n) for n in names]
-        # Decoded weights: exactly transformers + compressed-tensors' decompression.
-        assert torch.equal(fw_weight(layer), torch.cat([m.weight for m in ref_modules])), names
-        x = 3 * torch.randn(1, 7, layer.spec.input_size, generator=gen)
-        with torch.no_grad():
-            expected = torch.cat([m(x) for m in ref_modules], dim=-1)[0]
-            got = layer(x[0])
-        # Integer dot products are exact; the reference's float32 sums round.
-        error = ((got - expected).norm() / expected.norm()).item()
-        assert error < 2e-6, f"{names}: relative error {error:.3g}"
+    # Decoded weights exactly transformers + compressed-tensors'; integer dot products are exact, the reference's
+    # float32 sums round.
+    assert_layers_match_modules(pairs, reference, fw_weight, 2e-6)
 
 
 def test_compressed_tensors_greedy_tokens_match_the_reference(ct_checkpoint):
@@ -167,17 +157,8 @@ def test_int8_experts_match_their_dequantized_reference(arch, tmp_path):
                                    element=INT8)
     model = load_layers(path, int8_method(path))
     reference = load_layers(path, Unquantized(), writer.dequantized(path))
-    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
-    assert blocks
-    gen = torch.Generator().manual_seed(0)
-    for name, block in blocks:
+    for block in assert_experts_match(model, reference):
         assert block.experts.w13_weight.dtype == torch.int8
-        assert block.gate.weight.dtype == torch.float32  # the router stays in float
-        x = torch.randn(16, block.experts.spec.hidden_size, generator=gen)
-        with torch.no_grad():
-            got, expected = block(x), reference.get_submodule(name)(x)
-        error = ((got - expected).norm() / expected.norm()).item()
-        assert error < 1e-5, f"{name}: relative error {error:.3g}"
     assert len(fw_greedy(path)[0]) == 16
 
 
