@@ -16,6 +16,8 @@ if [ -n "${OUT:-}" ]; then mkdir -p "$OUT" && LOG=$OUT/gpu-check.log; fi
   "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null || "$PY" -m pip install -q torch
   "$PY" -c 'import flashinfer' 2>/dev/null || "$PY" -m pip install -q flashinfer-python
   "$PY" -m pip install -q ".[test,flashinfer]"
+  # Not the flash-attn extra: without a prebuilt wheel for this torch/CUDA it compiles for far longer than a check
+  # may take. Its tests run where it is already installed and skip, saying why, where it is not.
   nvidia-smi
   # Importing flashinfer here makes a broken install fail loudly instead of skipping its tests.
   "$PY" -c 'import sys, torch, flashinfer

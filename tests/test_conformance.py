@@ -24,6 +24,10 @@ class TestFlashInferAttention(AttentionConformance):
     plugin = "flashinfer"
 
 
+class TestFlashAttnAttention(AttentionConformance):
+    plugin = "flash_attn"
+
+
 class TestUnquantized(QuantConformance):
     plugin = "none"
 

@@ -35,7 +35,10 @@ from fw_quant_none.method import Unquantized
 
 MODEL_CLASSES = {
     arch: spec.load()
-    for spec in (specs.LLAMA, specs.QWEN2, specs.QWEN3, specs.MIXTRAL, specs.QWEN2_MOE, specs.QWEN3_MOE)
+    for spec in (
+        specs.LLAMA, specs.QWEN2, specs.QWEN3, specs.MIXTRAL, specs.QWEN2_MOE, specs.QWEN3_MOE, specs.DEEPSEEK_V2,
+        specs.DEEPSEEK_V3,
+    )
     for arch in spec.capabilities.architectures
 }
 FP32_TOL = 1e-4
@@ -50,7 +53,9 @@ FP32_TOL = 1e-4
 BF16_TOL = 0.1
 BF16_MEAN_TOL = 0.02
 BF16_MOE_OUTLIERS = 0.1
-MOE_ARCHITECTURES = {"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
+MOE_ARCHITECTURES = {
+    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
+}
 PROMPT_LENS = (37, 5, 20)
 
 

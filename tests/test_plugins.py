@@ -122,8 +122,11 @@ def test_fp8_with_flashinfer_on_cpu_lists_every_reason(plain):
     assert "needs device cuda, got cpu" in err and "does not support dtype float32" in err
     assert "usable attention plugins here: torch" in err
     assert "quant plugin 'fp8'" not in err  # fp8 itself runs here
-    fp8 = {(r["kind"], r["name"]): r for r in listed()}[("quant", "fp8")]
-    assert fp8["status"] == "ok" and fp8["distribution"] == "fw-quant-fp8"
+    shown = {(r["kind"], r["name"]): r for r in listed()}
+    for name, formats in (("fp8", ["compressed-tensors-fp8", "fp8", "none"]), ("int8", ["compressed-tensors-int8", "none"])):
+        row = shown[("quant", name)]
+        assert row["status"] == "ok" and row["distribution"] == f"fw-quant-{name}"
+        assert row["capabilities"]["formats"] == formats
 
 
 def test_unsupported_kv_cache_dtype_is_rejected(plain):
@@ -142,8 +145,8 @@ def test_valid_combination_passes_and_says_why_auto_chose(plain):
     result = run_fw("plugins", "check", "--device", "cpu", "--model", plain)
     assert result.returncode == 0, result.stderr
     assert f"model: {plain}\n" in result.stdout
-    assert "attention: torch  (auto: the highest priority (10) of the plugins that fit; cannot run this: flashinfer: " \
-        in result.stdout
+    assert "attention: torch  (auto: the highest priority (10) of the plugins that fit; cannot run this: " in result.stdout
+    assert "flashinfer: needs device cuda, got cpu" in result.stdout
     assert "quant: none  (auto: the highest priority (10)" in result.stdout
     assert "sampler: outlines  (auto: the highest priority (2) of the plugins that fit; also fit: default (1), beam (0))" \
         in result.stdout

@@ -67,6 +67,8 @@ def model_requirements(config: FwConfig, device: DeviceInfo, hf_config: dict[str
             features.add("sliding_window")
         if "kv_lora_rank" in hf_config:
             features.add("mla")
+            # The query/key head (AttentionLayerSpec.head_size); config.json's head_dim is the rotary part.
+            head_size = hf_config.get("qk_nope_head_dim", 0) + hf_config.get("qk_rope_head_dim", 0) or head_size
         if hf_config.get("attn_logit_softcapping"):
             features.add("soft_cap")
         arch = (hf_config.get("architectures") or [None])[0]
@@ -159,9 +161,12 @@ def check(
     result = CheckResult(req)
     if hf_config is not None:
         try:
-            result.selected["models"] = model_registry.resolve(hf_config)
+            model = result.selected["models"] = model_registry.resolve(hf_config)
         except model_registry.ModelError as exc:
             result.problems.append(str(exc))
+        else:
+            needed = req.attention_features | model.capabilities.requires_attention_features
+            req = result.requirements = replace(req, attention_features=needed)
     for kind in SLOTS:
         choice = config.plugin_choice(kind)
         if choice.name is None:

@@ -5,8 +5,9 @@ kernel and the layout of a block (``kv_cache_spec``), from which the model
 runner sizes and allocates the cache. Once per engine step the model runner
 describes the batch as an ``AttentionBatch``; the backend may turn it into its
 own metadata in ``prepare`` (FlashInfer's plan(), say), and every attention
-layer then calls ``forward`` with that metadata. Tokens of all requests are
-flattened into one dimension, prefill chunks and decodes mixed.
+layer then calls ``forward`` with that metadata (``forward_mla`` for the
+latent attention of DeepSeek-V2/V3). Tokens of all requests are flattened
+into one dimension, prefill chunks and decodes mixed.
 """
 
 from __future__ import annotations
@@ -70,7 +71,11 @@ class AttentionCapabilities(Capabilities):
 
 @dataclass(frozen=True)
 class MLADims:
-    """Multi-head latent attention (DeepSeek-V2/V3): K and V are expanded from a cached low-rank latent."""
+    """Multi-head latent attention (DeepSeek-V2/V3): K and V are expanded from a cached low-rank latent.
+
+    The layer's spec then has ``head_size`` = qk_nope + qk_rope (the query/key head) and ``num_kv_heads`` 1 (the
+    latent); an fp8 cache scales the latent row by ``k_scale``.
+    """
 
     kv_lora_rank: int  # the latent's width
     qk_rope_head_dim: int  # the rotary part of each query/key head, cached beside the latent
@@ -187,7 +192,8 @@ class AttentionBatch:
 
 
 class AttentionBackend(ABC):
-    """Implement ``forward``; override the rest only when the kernel needs to."""
+    """Implement ``forward`` (and ``forward_mla`` for a backend that declares "mla"); override the rest only
+    when the kernel needs to."""
 
     api_version = API_VERSION
 
@@ -226,3 +232,22 @@ class AttentionBackend(ABC):
         metadata: Any,  # what prepare() returned
     ) -> torch.Tensor:
         """Write k/v into ``kv_cache`` at ``slot_mapping``, then attend. Returns [T, num_heads, head_size]."""
+
+    def forward_mla(
+        self,
+        layer: AttentionLayerSpec,  # layer.mla is set; layer.scale includes YaRN's mscale
+        q_nope: torch.Tensor,  # [T, num_heads, qk_nope_head_dim]
+        q_pe: torch.Tensor,  # [T, num_heads, qk_rope_head_dim], rotated
+        kv_latent: torch.Tensor,  # [T, kv_lora_rank], after kv_a_layernorm
+        k_pe: torch.Tensor,  # [T, qk_rope_head_dim], rotated, shared by every head
+        w_uk: torch.Tensor,  # [num_heads, qk_nope_head_dim, kv_lora_rank]: latent -> each head's K without rope
+        w_uv: torch.Tensor,  # [num_heads, kv_lora_rank, v_head_dim]: latent -> each head's V
+        kv_cache: torch.Tensor,  # this layer's cache, as kv_cache_spec laid it out
+        metadata: Any,  # what prepare() returned
+    ) -> torch.Tensor:
+        """Multi-head latent attention (backends that declare the "mla" feature): write ``kv_latent || k_pe``
+        into ``kv_cache`` at ``slot_mapping``, then attend with, per head, K = [latent @ W_UK^T, k_pe] and
+        V = latent @ W_UV. ``w_uk`` / ``w_uv`` are the per-head blocks of the layer's ``kv_b_proj``, so a
+        backend may expand the latent (prefill) or fold them into the query and output (decode).
+        Returns [T, num_heads, v_head_dim]."""
+        raise NotImplementedError(f"attention backend {type(self).__name__} does not implement MLA (forward_mla)")

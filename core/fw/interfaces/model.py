@@ -17,7 +17,9 @@ examples):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
+from fw.interfaces.attention import FEATURES
 from fw.interfaces.base import Capabilities, Requirements
 
 API_VERSION = 1
@@ -26,6 +28,10 @@ API_VERSION = 1
 @dataclass(frozen=True)
 class ModelCapabilities(Capabilities):
     architectures: frozenset[str] = frozenset()
+    # Attention features every model of these architectures needs ("mla"); validation asks them of the backend.
+    requires_attention_features: frozenset[str] = frozenset()
+
+    KNOWN: ClassVar[dict[str, frozenset[str]]] = {**Capabilities.KNOWN, "requires_attention_features": FEATURES}
 
     def problems(self, req: Requirements) -> list[str]:
         out = super().problems(req)

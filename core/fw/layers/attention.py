@@ -1,7 +1,8 @@
 """The attention layer: fixed shape (``AttentionLayerSpec``), kernel from the selected backend.
 
 The step's KV caches and backend metadata come from the forward context, so
-the layer's signature stays ``forward(q, k, v)``.
+the layer's signature stays ``forward(q, k, v)`` (``MLAAttention``: the query
+parts, the latent and the rotary key, see ``AttentionBackend.forward_mla``).
 """
 
 from __future__ import annotations
@@ -33,3 +34,24 @@ class Attention(nn.Module):
             ctx.metadata,
         )
         return out.reshape(num_tokens, s.num_heads * s.head_size)
+
+
+class MLAAttention(Attention):
+    """Multi-head latent attention (DeepSeek-V2/V3): the backend caches the latent, not per-head K and V."""
+
+    def forward(  # type: ignore[override]
+        self,
+        q_nope: torch.Tensor,  # [T, heads, qk_nope_head_dim]
+        q_pe: torch.Tensor,  # [T, heads, qk_rope_head_dim]
+        kv_latent: torch.Tensor,  # [T, kv_lora_rank]
+        k_pe: torch.Tensor,  # [T, qk_rope_head_dim]
+        w_uk: torch.Tensor,  # [heads, qk_nope_head_dim, kv_lora_rank]
+        w_uv: torch.Tensor,  # [heads, kv_lora_rank, v_head_dim]
+    ) -> torch.Tensor:
+        """-> [T, heads * v_head_dim]."""
+        ctx = get_forward_context()
+        s = self.spec
+        out = self.backend.forward_mla(
+            s, q_nope, q_pe, kv_latent, k_pe, w_uk, w_uv, ctx.kv_caches[s.layer_idx], ctx.metadata
+        )
+        return out.reshape(q_nope.shape[0], s.num_heads * s.mla.v_head_dim)

@@ -168,6 +168,9 @@ class FusedMoE(nn.Module):
         self.moe_method.process_weights_after_loading(self)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.run(hidden, *select_experts(router_logits, self.top_k, self.renormalize))
+
+    def run(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts on a routing already chosen (architectures with a router of their own, DeepSeek's)."""
         out = self.moe_method.apply(self, hidden, topk_weights, topk_ids)
         return self.tp.all_reduce(out) if self.tp.world_size > 1 else out

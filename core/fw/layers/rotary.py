@@ -1,5 +1,10 @@
 """Rotary position embeddings, neox style (rotate-half), as Hugging Face Llama applies them.
 
+DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ... instead: with
+``interleaved`` the input is de-interleaved first (evens, then odds) and
+rotated the neox way, the same result as transformers' in that layout. Query
+and key come out in the same layout, so their products are unchanged.
+
 Inverse frequencies follow transformers' ``rope_type`` definitions (default,
 linear, llama3, yarn) so that scaled-context checkpoints reproduce their
 reference logits. cos/sin are computed on the fly from the step's positions:
@@ -91,8 +96,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_size: int, rope_parameters: Mapping[str, Any], max_position_embeddings: int) -> None:
+    def __init__(
+        self,
+        head_size: int,
+        rope_parameters: Mapping[str, Any],
+        max_position_embeddings: int,
+        *,
+        interleaved: bool = False,
+    ) -> None:
         super().__init__()
+        self.interleaved = interleaved
         # A plain attribute rather than a buffer: model.to(dtype) must not round the frequencies.
         self.inv_freq, self.attention_scaling = compute_inv_freq(head_size, rope_parameters, max_position_embeddings)
         # Every layer of a step rotates by the same positions tensor (the model runner builds a new one per
@@ -101,6 +114,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, heads, head_size] and k [T, kv_heads, head_size] by their token's position."""
+        if self.interleaved:
+            q = torch.cat((q[..., 0::2], q[..., 1::2]), dim=-1)
+            k = torch.cat((k[..., 0::2], k[..., 1::2]), dim=-1)
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         if native_ops.usable(q) and q.stride(-2) == q.shape[-1] and k.stride(-2) == k.shape[-1]:

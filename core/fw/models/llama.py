@@ -127,7 +127,7 @@ class SelfAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, self_attn: SelfAttention, mlp: nn.Module, config: HFConfig, ctx: ModelContext) -> None:
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, config: HFConfig, ctx: ModelContext) -> None:
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
@@ -188,26 +188,35 @@ class LlamaForCausalLM(nn.Module):
             prefix=prefix,
         )
 
+    def make_rotary(self, config: HFConfig) -> RotaryEmbedding:
+        """One rotary embedding that every layer shares."""
+        return RotaryEmbedding(config.head_dim, config.rope_parameters(), config.max_position_embeddings)
+
+    def make_attention(
+        self, config: HFConfig, ctx: ModelContext, rotary: RotaryEmbedding, layer_idx: int, prefix: str
+    ) -> nn.Module:
+        qkv_bias, o_bias = self.attention_bias(config)
+        return SelfAttention(
+            config,
+            ctx,
+            rotary,
+            layer_idx=layer_idx,
+            sliding_window=self.sliding_window(config, layer_idx),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm=self.qk_norm,
+            prefix=prefix,
+        )
+
     def __init__(self, config: HFConfig, ctx: ModelContext) -> None:
         super().__init__()
         self.config = config
         self.num_layers = config.num_hidden_layers
-        rotary = RotaryEmbedding(config.head_dim, config.rope_parameters(), config.max_position_embeddings)
-        qkv_bias, o_bias = self.attention_bias(config)
+        rotary = self.make_rotary(config)
         layers = []
         for i in range(self.num_layers):
             prefix = f"model.layers.{i}"
-            attn = SelfAttention(
-                config,
-                ctx,
-                rotary,
-                layer_idx=i,
-                sliding_window=self.sliding_window(config, i),
-                qkv_bias=qkv_bias,
-                o_bias=o_bias,
-                qk_norm=self.qk_norm,
-                prefix=f"{prefix}.self_attn",
-            )
+            attn = self.make_attention(config, ctx, rotary, i, f"{prefix}.self_attn")
             layers.append(DecoderLayer(attn, self.make_mlp(config, ctx, i, f"{prefix}.mlp"), config, ctx))
         self.model = DecoderModel(layers, config, ctx)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=ctx.dtype, quant=ctx.quant)

@@ -5,12 +5,16 @@ from fw.interfaces.model import API_VERSION, ModelCapabilities
 from fw.plugins import BUILTIN_PRIORITY, PluginSpec
 
 
-def _spec(name: str, impl: str, architectures: frozenset[str], description: str) -> PluginSpec:
+def _spec(
+    name: str, impl: str, architectures: frozenset[str], description: str, requires: frozenset[str] = frozenset()
+) -> PluginSpec:
     return PluginSpec(
         name=name,
         kind="models",
         impl=impl,
-        capabilities=ModelCapabilities(architectures=architectures, devices=frozen("cpu", "cuda")),
+        capabilities=ModelCapabilities(
+            architectures=architectures, devices=frozen("cpu", "cuda"), requires_attention_features=requires
+        ),
         api_version=API_VERSION,
         description=description,
         priority=BUILTIN_PRIORITY,
@@ -49,4 +53,18 @@ QWEN3_MOE = _spec(
     "fw.models.moe:Qwen3MoeForCausalLM",
     frozen("Qwen3MoeForCausalLM"),
     "Qwen3 MoE (q/k RMSNorm, norm_topk_prob routing).",
+)
+DEEPSEEK_V2 = _spec(
+    "deepseek_v2",
+    "fw.models.deepseek:DeepseekV2ForCausalLM",
+    frozen("DeepseekV2ForCausalLM"),
+    "DeepSeek-V2 / V2-Lite (multi-head latent attention; softmax-routed experts plus shared experts).",
+    requires=frozen("mla"),
+)
+DEEPSEEK_V3 = _spec(
+    "deepseek_v3",
+    "fw.models.deepseek:DeepseekV3ForCausalLM",
+    frozen("DeepseekV3ForCausalLM"),
+    "DeepSeek-V3 / R1 (multi-head latent attention; sigmoid, bias-corrected, group-limited expert routing).",
+    requires=frozen("mla"),
 )

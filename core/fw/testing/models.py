@@ -65,6 +65,18 @@ _COMMON: dict[str, Any] = dict(
     tie_word_embeddings=False,
 )
 
+# DeepSeek's multi-head latent attention, and a dense layer 0 (first_k_dense_replace) before the experts.
+_MLA: dict[str, Any] = dict(
+    num_key_value_heads=4,  # as many as query heads: MLA has no KV-head grouping
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    head_dim=8,  # transformers' name for the rotary width; _COMMON's 16 would override qk_rope_head_dim
+    v_head_dim=16,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+)
+
 # architecture -> (transformers config class, settings on top of _COMMON)
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "LlamaForCausalLM": ("LlamaConfig", {}),
@@ -100,6 +112,42 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 32,
             "decoder_sparse_step": 2,
+            "norm_topk_prob": True,
+        },
+    ),
+    # V2: q_proj without a low-rank query (V2-Lite), softmax routing, YaRN with DeepSeek's mscale_all_dim.
+    "DeepseekV2ForCausalLM": (
+        "DeepseekV2Config",
+        {
+            **_MLA,
+            "q_lora_rank": None,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 2,
+            "routed_scaling_factor": 1.5,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "rope_theta": 10000.0,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+            },
+        },
+    ),
+    # V3: low-rank query, sigmoid routing with a score-correction bias within the best 2 of 4 expert groups.
+    "DeepseekV3ForCausalLM": (
+        "DeepseekV3Config",
+        {
+            **_MLA,
+            "num_hidden_layers": 3,
+            "q_lora_rank": 32,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_group": 4,
+            "topk_group": 2,
+            "n_shared_experts": 1,
+            "routed_scaling_factor": 2.5,
             "norm_topk_prob": True,
         },
     ),
@@ -186,6 +234,9 @@ def make_tiny_model(
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
             param.copy_(1 + 0.1 * noise if name.endswith("norm.weight") else 0.08 * noise)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's router bias: zero would test nothing
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
     model.to(torch_dtype)
 
     path = Path(path)

@@ -21,6 +21,12 @@ prefill, chunked prefill against cached context, and decode.
 Every KV-cache dtype of ``fw.kv_quant`` is read by both paths: the torch path
 dequantizes the keys and values it gathers, the native kernel each row as it
 reads it.
+
+Multi-head latent attention (``forward_mla``) caches one row per token, the
+latent and the rotary key. Prefill rows expand the cached latents to every
+head's K and V and attend as above; decodes never expand them: W_UK folds into
+the query and W_UV into the output, so each step reads the latent rows once
+(DeepSeek-V2's "absorbed" form).
 """
 
 from __future__ import annotations
@@ -170,6 +176,66 @@ class TorchAttention(AttentionBackend):
                 metadata.decode_mask(layer.sliding_window),
             )
         return out
+
+    def forward_mla(
+        self,
+        layer: AttentionLayerSpec,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TorchAttentionMetadata,
+    ) -> torch.Tensor:
+        cache, rank, dtype = kv_cache[0], layer.mla.kv_lora_rank, q_nope.dtype
+        kv_quant.write(cache, metadata.batch.slot_mapping, torch.cat([kv_latent, k_pe], -1)[:, None], layer.k_scale)
+        out = q_nope.new_empty(*q_nope.shape[:2], layer.mla.v_head_dim)
+        for i, req in enumerate(metadata.prefills):
+            _, mask = metadata.prefill_mask(i, None)
+            rows = kv_quant.read(cache, req.key_slots, dtype, layer.k_scale)[:, 0]  # [S, rank + rope]
+            latent, keys_pe = rows[:, :rank], rows[:, rank:]
+            keys_nope = latent @ w_uk.transpose(1, 2)  # [heads, S, nope]
+            keys = torch.cat([keys_nope, keys_pe.expand(keys_nope.shape[0], -1, -1)], -1)
+            queries = torch.cat([q_nope[req.queries], q_pe[req.queries]], -1).transpose(0, 1)
+            attn = F.scaled_dot_product_attention(
+                queries[None], keys[None], (latent @ w_uv)[None], attn_mask=mask, scale=layer.scale
+            )
+            out[req.queries] = attn[0].transpose(0, 1)
+        decodes = metadata.decodes
+        if decodes is not None:
+            out[decodes.rows] = self._mla_decode(
+                layer, q_nope[decodes.rows], q_pe[decodes.rows], w_uk, w_uv, cache, decodes, metadata.batch.block_size
+            )
+        return out
+
+    @staticmethod
+    def _mla_decode(
+        layer: AttentionLayerSpec,
+        q_nope: torch.Tensor,  # [D, heads, nope]
+        q_pe: torch.Tensor,  # [D, heads, rope]
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        cache: torch.Tensor,
+        decodes: _Decodes,
+        block_size: int,
+    ) -> torch.Tensor:
+        """The absorbed form: scores and the weighted sum are taken over the latent rows, in float32."""
+        slots = decodes.key_slots
+        if slots is None:  # prepared for the native kernel: every slot of the request's blocks
+            offsets = torch.arange(block_size, device=q_nope.device)
+            slots = (decodes.block_tables.long()[:, :, None] * block_size + offsets).flatten(1)
+        mask = torch.arange(slots.shape[1], device=slots.device) < decodes.seq_lens[:, None]  # [D, L]
+        rows = kv_quant.read(cache, slots, torch.float32, layer.k_scale)[:, :, 0]  # [D, L, rank + rope]
+        # Padding slots may hold anything (NaN): zeroed, since a zero probability times NaN is still NaN.
+        rows = torch.where(mask[..., None], rows, 0.0)
+        latent, keys_pe = rows[..., : layer.mla.kv_lora_rank], rows[..., layer.mla.kv_lora_rank :]
+        q_latent = (q_nope.transpose(0, 1) @ w_uk).transpose(0, 1).float()  # [D, heads, rank]
+        scores = (q_latent @ latent.transpose(1, 2) + q_pe.float() @ keys_pe.transpose(1, 2)) * layer.scale
+        scores.masked_fill_(~mask[:, None, :], float("-inf"))
+        out_latent = (scores.softmax(dim=-1) @ latent).to(q_nope.dtype)  # [D, heads, rank]
+        return (out_latent.transpose(0, 1) @ w_uv).transpose(0, 1)  # [D, heads, v_head_dim]
 
     @staticmethod
     def _native_decode(

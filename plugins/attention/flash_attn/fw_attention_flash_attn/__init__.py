@@ -1,0 +1,1 @@
+"""FlashAttention-2/3 paged-KV attention for CUDA GPUs."""
