@@ -188,9 +188,9 @@ def assert_layers_match_modules(pairs, reference, decoded, tolerance: float) -> 
 def assert_experts_match(model, reference, tolerance: float = 1e-5) -> list:
     """Every routed-expert block of ``model`` against the same block of ``reference`` on random tokens, its router
     left in float; returns the blocks."""
-    from fw.models.moe import SparseMoeBlock
+    from fw.layers.moe import FusedMoE
 
-    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
+    blocks = [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "experts", None), FusedMoE)]
     assert blocks
     gen = torch.Generator().manual_seed(0)
     for name, block in blocks:

@@ -241,3 +241,25 @@ def test_tensor_parallel_2_matches_single_rank(checkpoint, tmp_path):
         assert fed == single_fed, path.name
         for rid in fed:
             assert (logits[rid] - single_logits[rid]).abs().max() < FP32_TOL, path.name
+
+
+def test_v3_block_fp8_checkpoint_loads_and_matches_its_dequantized_weights(checkpoint, tmp_path):
+    """DeepSeek-V3's own format: ``quant_method: fp8`` with ``weight_block_size`` and ``weight_scale_inv`` per
+    linear layer and expert, the router left in float."""
+    from conftest import assert_experts_match, load_layers
+    from fw import model_registry
+    from fw_quant_fp8 import testing as fp8
+    from fw_quant_fp8.method import Fp8Method
+    from fw_quant_fp8.spec import Fp8Options
+    from fw_quant_none.method import Unquantized
+
+    path = fp8.write_checkpoint(checkpoint("DeepseekV3ForCausalLM"), tmp_path / "fp8", kind="block", block=(32, 32))
+    quant_config = model_registry.read_hf_config(str(path))["quantization_config"]
+    # Weight-only, so that the layers compute with exactly the dequantized weights.
+    model = load_layers(path, Fp8Method(Fp8Options(activations="none"), quant_config))
+    reference = load_layers(path, Unquantized(), fp8.dequantized(path))
+    layer = model.get_submodule("model.layers.0.self_attn.kv_a_proj_with_mqa")
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale_inv.shape[1] > 1  # blocks, not rows
+    for block in assert_experts_match(model, reference):
+        assert block.experts.w13_weight.dtype == torch.float8_e4m3fn
+    assert [len(t) for t in fw_greedy(path)] == [16, 16]

@@ -72,7 +72,9 @@ class Schemes(ModuleSchemes[Scheme]):
             else:
                 group = Scheme("tensor", scheme, input_scales=scheme == "static")
             self.groups = [(["Linear"], group)]
-            self.ignore = list(quant_config.get("ignored_layers") or quant_config.get("modules_to_not_convert") or [])
+            # MoE routers too: these checkpoints (DeepSeek-V3, Qwen3 FP8) keep them in 16 bits without listing them.
+            self.ignore = [*(quant_config.get("ignored_layers") or quant_config.get("modules_to_not_convert") or []),
+                           MOE_ROUTERS]
         elif is_8bit_compressed_tensors(quant_config, element.type):
             self.groups = [(g.get("targets") or ["Linear"], _compressed_tensors(name, g, element.type))
                            for name, g in quant_config["config_groups"].items()]
