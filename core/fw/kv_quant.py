@@ -14,7 +14,12 @@ store and read their cache with these functions; native kernels mirror ``read``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from fw.interfaces.attention import AttentionLayerSpec
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 SCALE_BYTES = 4  # an int8 row's float32 scale
@@ -48,6 +53,15 @@ def write(part: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float
         values = (x * inverse).round_().clamp_(-127, 127).to(torch.int8)
         x = torch.cat([values, step.view(torch.int8)], dim=-1)
     part.view(-1, *part.shape[-2:])[slots] = x
+
+
+def write_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             layer: AttentionLayerSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store a step's K and V at ``slots`` of a layer's standard-layout cache, with the layer's scales; returns
+    the cache's K and V parts (the kernels read the new tokens from there)."""
+    write(cache[0], slots, k, layer.k_scale)
+    write(cache[1], slots, v, layer.v_scale)
+    return cache[0], cache[1]
 
 
 def read(part: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:

@@ -147,10 +147,7 @@ class FlashAttnAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: FlashAttnMetadata,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        # The kernels read the new tokens' K/V from the cache, so they go in first.
-        kv_quant.write(k_cache, metadata.slot_mapping, k, layer.k_scale)
-        kv_quant.write(v_cache, metadata.slot_mapping, v, layer.v_scale)
+        k_cache, v_cache = kv_quant.write_kv(kv_cache, metadata.slot_mapping, k, v, layer)
         if metadata.num_reqs == 0:  # no request has new tokens; the kernels refuse an empty batch
             return torch.empty_like(q)
         common = {

@@ -151,10 +151,7 @@ class FlashInferAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: FlashInferMetadata,
     ) -> torch.Tensor:
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        # The kernel reads the new tokens' K/V from the cache, so they go in first.
-        kv_quant.write(k_cache, metadata.slot_mapping, k, layer.k_scale)
-        kv_quant.write(v_cache, metadata.slot_mapping, v, layer.v_scale)
+        k_cache, v_cache = kv_quant.write_kv(kv_cache, metadata.slot_mapping, k, v, layer)
         wrapper = self._planned_wrapper(layer, q, kv_cache, metadata)
         if kv_cache.dtype == torch.float8_e4m3fn:  # the layer's scales apply to an fp8 cache only
             return wrapper.run(q, (k_cache, v_cache), k_scale=layer.k_scale, v_scale=layer.v_scale)

@@ -144,9 +144,7 @@ class TorchAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
     ) -> torch.Tensor:
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        kv_quant.write(key_cache, metadata.batch.slot_mapping, k, layer.k_scale)
-        kv_quant.write(value_cache, metadata.batch.slot_mapping, v, layer.v_scale)
+        key_cache, value_cache = kv_quant.write_kv(kv_cache, metadata.batch.slot_mapping, k, v, layer)
 
         decodes = metadata.decodes
         native = decodes is not None and decodes.block_tables is not None

@@ -10,20 +10,23 @@ from fw.plugins import BUILTIN_PRIORITY, PluginSpec
 
 
 class Fp8Options(BaseModel):
+    """The options of the 8-bit plugins (fw-quant-int8 takes the same)."""
+
     model_config = ConfigDict(extra="forbid")
 
     activations: Literal["auto", "none", "dynamic"] = Field(
         "auto",
         description="Activation quantization. auto: as the checkpoint says (W8A8 where its config quantizes "
         "activations), none for plain checkpoints quantized at load (W8A16); none: weight-only everywhere; "
-        "dynamic: per-token dynamic scales everywhere (W8A8), also for plain checkpoints.",
+        "dynamic: activations rounded to the weights' 8-bit type with a scale per token everywhere (W8A8), also "
+        "for plain checkpoints.",
     )
     lm_head: bool = Field(
         False,
-        description="Also round the LM head to FP8 per row at load (float32 logits; its activations too where the "
-        "activations option is dynamic; a tied embedding "
-        "keeps its float table for the lookup). Off by default, as in vLLM: the head's rounding moves the logits "
-        "most, and it is the largest matrix of a small model, so on a CPU it is the largest saving.",
+        description="Also round the LM head to the plugin's 8-bit type per row at load (float32 logits; its "
+        "activations too where the activations option is dynamic; a tied embedding keeps its float table for the "
+        "lookup). Off by default, as in vLLM: the head's rounding moves the logits most, and it is the largest "
+        "matrix of a small model, so on a CPU it is the largest saving.",
     )
 
 

@@ -1,31 +1,13 @@
 """The INT8 quant plugin's record. Light: imports no torch, so listing plugins stays fast."""
 
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field
-
 from fw.interfaces import quant
 from fw.interfaces.base import frozen
 from fw.plugins import BUILTIN_PRIORITY, PluginSpec
+from fw_quant_fp8.spec import Fp8Options
 
 
-class Int8Options(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    activations: Literal["auto", "none", "dynamic"] = Field(
-        "auto",
-        description="Activation quantization. auto: as the checkpoint says (W8A8 where its config quantizes "
-        "activations), none for plain checkpoints quantized at load (W8A16); none: weight-only everywhere; "
-        "dynamic: int8 activations with a scale per token everywhere (W8A8, integer products), also for plain "
-        "checkpoints.",
-    )
-    lm_head: bool = Field(
-        False,
-        description="Also round the LM head to INT8 per row at load (float32 logits; its activations too where the "
-        "activations option is dynamic; a tied embedding "
-        "keeps its float table for the lookup). Off by default, as in vLLM: the head's rounding moves the logits "
-        "most, and it is the largest matrix of a small model, so on a CPU it is the largest saving.",
-    )
+class Int8Options(Fp8Options):
+    """fw-quant-fp8's options: the layers are the same."""
 
 
 SPEC = PluginSpec(
