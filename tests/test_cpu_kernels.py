@@ -191,3 +191,16 @@ def test_native_silu_and_mul_matches_torch(layer_kernels, monkeypatch):
     fast, ref = silu_and_mul(x), _torch_path(monkeypatch, layer_kernels, lambda: silu_and_mul(x))
     torch.testing.assert_close(fast, ref, atol=0, rtol=8e-3)
     assert (fast != ref).float().mean() < 0.01
+
+
+def test_each_version_of_a_kernel_source_builds_in_its_own_folder(tmp_path, monkeypatch):
+    """Two installs of fw on one machine (or a checkout beside an installed copy) never share a build."""
+    from fw import native
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    a, b = tmp_path / "a.cpp", tmp_path / "b.cpp"
+    a.write_text("// one version\n")
+    b.write_text("// another version\n")
+    first = native.build_directory("fw_x", a)
+    assert first == native.build_directory("fw_x", a) and first.is_dir() and first.parent == tmp_path / "ext"
+    assert native.build_directory("fw_x", b) != first

@@ -348,9 +348,8 @@ def test_matches_the_torch_backend_on_gpu(monkeypatch, version, window, soft_cap
     # 2^-8), so O(1) outputs differ by up to ~1e-2. A wrong mask, page or scale moves them by O(0.1..1).
     tol = {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(out.float(), torch.cat(dense), **tol)
-    if soft_cap is None:  # the torch backend implements no soft cap
-        torch_attn = TorchAttention()
-        expected = torch_attn.forward(layer, q, k, v, reference_cache, torch_attn.prepare(torch_batch))
-        torch.testing.assert_close(out.float(), expected.float(), **tol)
+    torch_attn = TorchAttention()
+    expected = torch_attn.forward(layer, q, k, v, reference_cache, torch_attn.prepare(torch_batch))
+    torch.testing.assert_close(out.float(), expected.float(), **tol)
     assert torch.equal(kv_cache[0].view(-1, kv_heads, head_size)[batch.slot_mapping], k)
     assert torch.equal(kv_cache[1].view(-1, kv_heads, head_size)[batch.slot_mapping], v)

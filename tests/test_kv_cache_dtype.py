@@ -169,5 +169,6 @@ def test_backends_that_cannot_read_the_dtype_or_lack_a_model_feature_are_refused
     config = {"architectures": ["LlamaForCausalLM"], "num_attention_heads": 4, "hidden_size": 64,
               "torch_dtype": "bfloat16"}
     assert problems(config, attention={"name": "torch"}) == []
-    needy = problems({**config, "kv_lora_rank": 512, "attn_logit_softcapping": 50.0}, attention={"name": "torch"})
-    assert needy == ["attention plugin 'torch' does not support soft_cap"]  # it has mla (DeepSeek)
+    needy = {**config, "kv_lora_rank": 512, "attn_logit_softcapping": 50.0}
+    assert problems(needy, attention={"name": "torch"}) == []  # it has both
+    assert "attention plugin 'flashinfer' does not support mla" in problems(needy, attention={"name": "flashinfer"})

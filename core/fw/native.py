@@ -1,8 +1,10 @@
 """Native CPU kernels: C++ sources that plugins ship, built on first use on the machine that runs them.
 
 ``torch.utils.cpp_extension`` compiles a source file once per machine (about
-10 s; cached under ``TORCH_EXTENSIONS_DIR``, rebuilt when the source changes)
-with ``-march=native``, so the kernels use whatever vector units the CPU has.
+10 s) with ``-march=native``, so the kernels use whatever vector units the CPU
+has. Each version of a source builds in its own folder under
+``TORCH_EXTENSIONS_DIR`` (named by a hash of its text), so two installs of fw
+on one machine never rebuild each other's kernels or load the other's.
 Its operators then live under ``torch.ops.<name>``. Without a compiler (or
 with ``FW_NATIVE=0``) ``load`` returns False and logs why once: every caller
 keeps a pure-torch path, which is also the reference its tests compare with.
@@ -12,6 +14,7 @@ Shared helpers for kernels live in ``fw/csrc/fw_cpu.h``, on every build's includ
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -32,6 +35,17 @@ def build_seconds() -> float:
     return _build_seconds
 
 
+def build_directory(name: str, source: Path) -> Path:
+    """Where ``source`` is built: a folder per version of it and of the shared header."""
+    from torch.utils import cpp_extension
+
+    digest = hashlib.sha256(source.read_bytes() + (INCLUDE / "fw_cpu.h").read_bytes()).hexdigest()[:16]
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    path = Path(root) / f"{name}-{digest}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 @functools.cache
 def load(name: str, source: Path) -> bool:
     """Build (or reuse) ``source`` as the operator library ``torch.ops.<name>``; True when it is usable."""
@@ -48,6 +62,7 @@ def load(name: str, source: Path) -> bool:
             extra_include_paths=[str(INCLUDE)],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
+            build_directory=str(build_directory(name, source)),
             is_python_module=False,
         )
     except Exception as exc:  # no compiler, no ninja, an unsupported toolchain: fall back, never fail the engine

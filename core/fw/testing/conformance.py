@@ -109,12 +109,14 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def dense_attention(q, k, v, positions_q, sliding_window=None):
+def dense_attention(q, k, v, positions_q, sliding_window=None, soft_cap=None):
     """Reference: q [Q,H,D] at ``positions_q`` over k/v [S,Hkv,D] at positions 0..S-1, causal, fp32."""
     heads, kv_heads = q.shape[1], k.shape[1]
     k = k.float().repeat_interleave(heads // kv_heads, dim=1)
     v = v.float().repeat_interleave(heads // kv_heads, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) / math.sqrt(q.shape[-1])
+    if soft_cap:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     key_pos = torch.arange(k.shape[0])
     allowed = key_pos[None, :] <= positions_q[:, None]
     if sliding_window:
@@ -145,7 +147,8 @@ class AttentionConformance(PluginConformance):
         sizes = sorted(caps.block_sizes)[:2] if caps.block_sizes else self.block_sizes
         return [(getattr(torch, d), b) for d in sorted(caps.dtypes) for b in sizes]
 
-    def _check(self, dtype: torch.dtype, b: int, sliding_window: int | None, kv_cache_dtype: str = "auto") -> None:
+    def _check(self, dtype: torch.dtype, b: int, sliding_window: int | None, kv_cache_dtype: str = "auto",
+               soft_cap: float | None = None) -> None:
         device = self.device()
         backend = self.make()
         gen = torch.Generator().manual_seed(0)
@@ -153,7 +156,7 @@ class AttentionConformance(PluginConformance):
         # Per-layer scales other than 1, so that a kernel ignoring them fails.
         scales = {"k_scale": 0.5, "v_scale": 2.0} if kv_cache_dtype == "fp8" else {}
         layer = attention.AttentionLayerSpec(
-            heads, kv_heads, self.head_size, self.head_size**-0.5, sliding_window, **scales
+            heads, kv_heads, self.head_size, self.head_size**-0.5, sliding_window, logits_soft_cap=soft_cap, **scales
         )
         # Per request: its total tokens, and the (first token, count) it computes in each of the three steps.
         plan = {
@@ -185,7 +188,8 @@ class AttentionConformance(PluginConformance):
             row = 0
             for r, s, n in batch:
                 rq, rk, rv = (t.float() for t in qkv[r])
-                expected = dense_attention(rq[s : s + n], rk[: s + n], rv[: s + n], torch.arange(s, s + n), sliding_window)
+                expected = dense_attention(rq[s : s + n], rk[: s + n], rv[: s + n], torch.arange(s, s + n), sliding_window,
+                                           soft_cap)
                 torch.testing.assert_close(
                     out[row : row + n], expected, atol=tol, rtol=tol * 5,
                     msg=lambda m, r=r, step=step: (
@@ -203,6 +207,13 @@ class AttentionConformance(PluginConformance):
             pytest.skip(f"{self.plugin} does not declare sliding_window")
         for dtype, block_size in self._cases():
             self._check(dtype, block_size, 8)
+
+    def test_soft_cap(self) -> None:
+        if "soft_cap" not in self.spec.capabilities.features:
+            pytest.skip(f"{self.plugin} does not declare soft_cap")
+        for dtype, block_size in self._cases():
+            # Random scores are O(1): a cap of 0.5 changes every probability, so a kernel ignoring it fails.
+            self._check(dtype, block_size, None, soft_cap=0.5)
 
     def test_kv_cache_dtypes(self) -> None:
         quantized = sorted(self.spec.capabilities.kv_cache_dtypes - {"auto"})

@@ -95,6 +95,22 @@ class TorchAttentionMetadata:
         return self._masks[key][1]
 
 
+def _capped(scores: torch.Tensor, layer: AttentionLayerSpec) -> torch.Tensor:
+    """Scores under the layer's logit soft cap, if it has one (Gemma 2): cap * tanh(scores / cap)."""
+    cap = layer.logits_soft_cap
+    return scores if not cap else cap * torch.tanh(scores / cap)
+
+
+def _capped_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                    layer: AttentionLayerSpec) -> torch.Tensor:
+    """sdpa's product for [1, heads, Q, D] queries over [1, kv_heads, S, D] keys and values, with the soft cap."""
+    group = layer.num_heads // layer.num_kv_heads
+    keys, values = (t.float().repeat_interleave(group, dim=1) for t in (keys, values))
+    scores = _capped(q.float() @ keys.transpose(-1, -2) * layer.scale, layer)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(dim=-1) @ values).to(q.dtype)
+
+
 class TorchAttention(AttentionBackend):
     def native_decode(self, device: torch.device) -> bool:
         return device.type == "cpu" and native.load("fw_attention_torch", _NATIVE_SOURCE)
@@ -159,9 +175,13 @@ class TorchAttention(AttentionBackend):
             # 3-d ones fall back to the unfused math path, 4-6x slower.
             keys = kv_quant.read(key_cache, slots, q.dtype, layer.k_scale).transpose(0, 1)[None]
             values = kv_quant.read(value_cache, slots, q.dtype, layer.v_scale).transpose(0, 1)[None]
-            attn = F.scaled_dot_product_attention(
-                q[req.queries].transpose(0, 1)[None], keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=gqa
-            )
+            queries = q[req.queries].transpose(0, 1)[None]
+            if layer.logits_soft_cap:  # sdpa has no soft cap: the scores in float32, capped
+                attn = _capped_prefill(queries, keys, values, mask, layer)
+            else:
+                attn = F.scaled_dot_product_attention(
+                    queries, keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=gqa
+                )
             out[req.queries] = attn[0].transpose(0, 1)
         if native:
             out[decodes.rows] = self._native_decode(layer, q[decodes.rows], kv_cache, decodes)
@@ -241,7 +261,7 @@ class TorchAttention(AttentionBackend):
     ) -> torch.Tensor:
         return torch.ops.fw_attention_torch.paged_decode(
             q, kv_cache[0], kv_cache[1], decodes.block_tables, decodes.seq_lens, layer.scale,
-            layer.sliding_window or 0, layer.k_scale, layer.v_scale,
+            layer.sliding_window or 0, layer.logits_soft_cap or 0.0, layer.k_scale, layer.v_scale,
         )
 
     @staticmethod
@@ -256,7 +276,7 @@ class TorchAttention(AttentionBackend):
         num_reqs, kv_heads = q.shape[0], layer.num_kv_heads
         # Query head h reads KV head h // group, so consecutive query heads share one KV head.
         grouped = q.view(num_reqs, kv_heads, -1, layer.head_size).float()
-        scores = grouped @ keys.permute(0, 2, 3, 1) * layer.scale  # [D, kv_heads, group, max_len]
+        scores = _capped(grouped @ keys.permute(0, 2, 3, 1) * layer.scale, layer)  # [D, kv_heads, group, max_len]
         scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
         out = scores.softmax(dim=-1) @ values.transpose(1, 2)  # [D, kv_heads, group, head_size]
         return out.view(num_reqs, layer.num_heads, layer.head_size).to(q.dtype)

@@ -9,13 +9,13 @@ SPEC = PluginSpec(
     capabilities=attention.AttentionCapabilities(
         devices=frozen("cpu", "cuda"),
         dtypes=frozen("float32", "bfloat16", "float16"),
-        features=frozen("sliding_window", "mla"),
+        features=frozen("sliding_window", "mla", "soft_cap"),
         kv_cache_dtypes=frozen("auto", "fp8", "int8"),
     ),
     api_version=attention.API_VERSION,
     description=(
         "Paged prefill and decode with torch scaled_dot_product_attention; any head size and block size; "
-        "fp8 and int8 KV caches; multi-head latent attention (DeepSeek-V2/V3)."
+        "fp8 and int8 KV caches; logit soft cap; multi-head latent attention (DeepSeek-V2/V3)."
     ),
     priority=BUILTIN_PRIORITY,  # the portable default; a plugin installed beside it must declare more to replace it
 )

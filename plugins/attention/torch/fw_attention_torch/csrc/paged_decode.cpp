@@ -166,7 +166,7 @@ struct Int8 {  // int8 times the row's own float32 scale, stored right after its
 template <typename T, typename Format>
 void decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
-            Format keys, Format values, at::Tensor& out) {
+            double soft_cap, Format keys, Format values, at::Tensor& out) {
   using Elem = typename Format::Elem;
   const int64_t num_reqs = q.size(0), num_heads = q.size(1), head_size = q.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2), max_blocks = block_tables.size(1);
@@ -206,6 +206,10 @@ void decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
       }
       for (int64_t h = 0; h < group; ++h) {
         float* s = scores.data() + h * n;
+        if (soft_cap > 0) {  // Gemma 2's cap: scores become cap * tanh(scores / cap)
+          const float cap = static_cast<float>(soft_cap);
+          for (int64_t t = 0; t < n; ++t) s[t] = cap * std::tanh(s[t] / cap);
+        }
         const float top = *std::max_element(s, s + n);
         const float sum = exp_shifted(s, n, top);
         for (int64_t t = 0; t < n; ++t) s[t] /= sum;
@@ -229,10 +233,10 @@ void decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
 // q [reqs, heads, head_size]; key_cache/value_cache [blocks, block_size, kv_heads, row]: row is head_size values
 // of q's dtype or float8_e4m3fn, or head_size int8 values and their float32 scale; block_tables [reqs, max_blocks]
 // int32; seq_lens [reqs] int32 (the query is the last position); window: attend to the last `window` keys, 0 for
-// all; k_scale/v_scale: an fp8 cache's per-layer scales.
+// all; soft_cap: the logit soft cap, 0 for none; k_scale/v_scale: an fp8 cache's per-layer scales.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
-                        double k_scale, double v_scale) {
+                        double soft_cap, double k_scale, double v_scale) {
   const auto cache_type = key_cache.scalar_type();
   const int64_t row_len = q.size(2) + (cache_type == at::kChar ? int64_t(sizeof(float)) : 0);
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(), "bad shapes");
@@ -248,12 +252,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache, const 
   auto out = at::empty_like(query);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     if (cache_type == at::kFloat8_e4m3fn) {
-      decode<scalar_t>(query, key_cache, value_cache, tables, lens, scale, window, Fp8{float(k_scale)},
+      decode<scalar_t>(query, key_cache, value_cache, tables, lens, scale, window, soft_cap, Fp8{float(k_scale)},
                        Fp8{float(v_scale)}, out);
     } else if (cache_type == at::kChar) {
-      decode<scalar_t>(query, key_cache, value_cache, tables, lens, scale, window, Int8{}, Int8{}, out);
+      decode<scalar_t>(query, key_cache, value_cache, tables, lens, scale, window, soft_cap, Int8{}, Int8{}, out);
     } else {
-      decode<scalar_t>(query, key_cache, value_cache, tables, lens, scale, window, Plain<scalar_t>{},
+      decode<scalar_t>(query, key_cache, value_cache, tables, lens, scale, window, soft_cap, Plain<scalar_t>{},
                        Plain<scalar_t>{}, out);
     }
   });
@@ -264,6 +268,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache, const 
 
 TORCH_LIBRARY(fw_attention_torch, m) {
   m.def("paged_decode(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale, int window, float k_scale, float v_scale) -> Tensor");
+        "float scale, int window, float soft_cap, float k_scale, float v_scale) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
 }
