@@ -9,11 +9,16 @@ prefix cache, and the refusal of backends without "mla".
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 import torch
-from test_models import FP32_TOL, assert_matches_reference, generate, load_ours, load_reference, prompts
+from test_models import (
+    assert_matches_reference,
+    assert_tp2_matches_single_rank,
+    load_ours,
+    load_reference,
+    prompts,
+)
 
 from conftest import fw_greedy, hf_greedy, run_fw
 from fw.interfaces.attention import AttentionBackend, AttentionBatch, AttentionLayerSpec, MLADims
@@ -219,28 +224,7 @@ def test_fw_plugins_check_names_the_missing_feature(checkpoint):
 @pytest.mark.slow
 def test_tensor_parallel_2_matches_single_rank(checkpoint, tmp_path):
     """Heads (q, kv_b_proj, o_proj) and expert widths split over two gloo ranks; the latent is replicated."""
-    pytest.importorskip("fw_comm_torch")
-    import multiprocessing
-
-    from test_models import _tp_worker
-
-    paths = [checkpoint(arch) for arch in ARCHS]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        init_method = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
-    ctx = multiprocessing.get_context("spawn")
-    out_file = tmp_path / "tp2.pt"
-    workers = [ctx.Process(target=_tp_worker, args=(rank, init_method, paths, out_file)) for rank in range(2)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(timeout=120)
-    assert [w.exitcode for w in workers] == [0, 0]
-    for path, (fed, logits) in zip(paths, torch.load(out_file), strict=True):
-        single_fed, single_logits = generate(load_ours(path), torch.float32, prompts(), 3)
-        assert fed == single_fed, path.name
-        for rid in fed:
-            assert (logits[rid] - single_logits[rid]).abs().max() < FP32_TOL, path.name
+    assert_tp2_matches_single_rank([checkpoint(arch) for arch in ARCHS], tmp_path)
 
 
 def test_v3_block_fp8_checkpoint_loads_and_matches_its_dequantized_weights(checkpoint, tmp_path):

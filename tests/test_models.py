@@ -340,15 +340,20 @@ def _tp_worker(rank: int, init_method: str, paths: list, out_file) -> None:
 def test_tensor_parallel_2_matches_single_rank(checkpoint, tmp_path):
     """Two gloo ranks: heads, KV heads (replicated when fewer than ranks), MLP and expert widths, and the
     vocabulary are split; greedy tokens and logits must equal the single-rank run."""
-    pytest.importorskip("fw_comm_torch")
-    import multiprocessing
-    import socket
-
     paths = [
         checkpoint("Qwen2MoeForCausalLM"),
         checkpoint("Qwen3ForCausalLM", num_key_value_heads=1, tie_word_embeddings=True),
         checkpoint("MixtralForCausalLM"),
     ]
+    assert_tp2_matches_single_rank(paths, tmp_path)
+
+
+def assert_tp2_matches_single_rank(paths, tmp_path):
+    """Each checkpoint on two gloo ranks: greedy tokens and logits equal the single-rank run's."""
+    pytest.importorskip("fw_comm_torch")
+    import multiprocessing
+    import socket
+
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         init_method = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
