@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 
@@ -202,7 +201,7 @@ def test_two_engines_in_one_process_each_see_their_own_configure(tiny, register)
                            ("unconfigure", 5)]
 
 
-def test_step_stats_time_first_use_compilation_apart_from_the_forward_pass(tiny, register, monkeypatch):
+def test_step_stats_time_first_use_compilation_apart_from_the_forward_pass(tiny, register, monkeypatch, tmp_path):
     from torch.utils import cpp_extension
 
     from fw import LLM, SamplingParams, native
@@ -227,7 +226,9 @@ def test_step_stats_time_first_use_compilation_apart_from_the_forward_pass(tiny,
     runner = llm.llm_engine.executor.runner
     forward = runner.execute
     # The model builds its kernel on first use, inside the forward pass, as fw's CPU kernels do.
-    monkeypatch.setattr(runner, "execute", lambda inputs: native.load("fw_test_slow_build", Path("x.cpp")) and forward(inputs))
+    source = tmp_path / "x.cpp"
+    source.write_text("// builds slowly\n")
+    monkeypatch.setattr(runner, "execute", lambda inputs: native.load("fw_test_slow_build", source) and forward(inputs))
     llm.generate(["Hello"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     llm.shutdown()
     first, second = recorded.seen
