@@ -122,6 +122,20 @@ def metric_values(base: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """checkpoint(arch, **kwargs) -> path; each distinct checkpoint is written once per module."""
+    made = {}
+
+    def make(arch, **kwargs):
+        key = (arch, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+        if key not in made:
+            made[key] = make_tiny_model(arch, tmp_path_factory.mktemp(arch), **kwargs)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny random-weight Llama with a real tokenizer, built once per test module."""
     return str(make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("srv") / "llama"))

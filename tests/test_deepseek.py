@@ -22,23 +22,9 @@ from test_models import (
 
 from conftest import fw_greedy, hf_greedy, run_fw
 from fw.interfaces.attention import AttentionBackend, AttentionBatch, AttentionLayerSpec, MLADims
-from fw.testing.models import make_tiny_model
 from fw_attention_torch.backend import TorchAttention
 
 ARCHS = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    made = {}
-
-    def make(arch, **kwargs):
-        key = (arch, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
-        if key not in made:
-            made[key] = make_tiny_model(arch, tmp_path_factory.mktemp(arch), **kwargs)
-        return made[key]
-
-    return make
 
 
 # The settings the tiny checkpoints of fw.testing.models do not have (test_models.py checks those).

@@ -26,7 +26,7 @@ from fw.model_loader import (
 )
 from fw.models import specs
 from fw.models.base import HFConfig, ModelContext
-from fw.testing.models import ARCHITECTURES, VOCAB_SIZE, make_tiny_model
+from fw.testing.models import ARCHITECTURES, VOCAB_SIZE
 from fw_attention_torch.backend import TorchAttention
 from fw_quant_none.method import Unquantized
 
@@ -147,20 +147,6 @@ def compare_with_reference(path, dtype, lengths=PROMPT_LENS, decode_steps=4):
 def assert_matches_reference(path, dtype=torch.float32, tol=FP32_TOL, **kwargs):
     row_diffs, _ = compare_with_reference(path, dtype, **kwargs)
     assert row_diffs.max() < tol, f"max |ours - transformers| = {row_diffs.max():.2e} >= {tol}"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """checkpoint(arch, **kwargs) -> path; each distinct checkpoint is written once per module."""
-    made = {}
-
-    def make(arch, **kwargs):
-        key = (arch, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
-        if key not in made:
-            made[key] = make_tiny_model(arch, tmp_path_factory.mktemp(arch), **kwargs)
-        return made[key]
-
-    return make
 
 
 def test_specs_cover_every_test_architecture():
