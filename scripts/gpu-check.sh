@@ -23,5 +23,31 @@ if [ -n "${OUT:-}" ]; then mkdir -p "$OUT" && LOG=$OUT/gpu-check.log; fi
   "$PY" -c 'import sys, torch, flashinfer
 print("python", sys.version.split()[0], "| torch", torch.__version__, "cuda", torch.version.cuda,
       "| flashinfer", flashinfer.__version__, "|", torch.cuda.get_device_name(), torch.cuda.get_device_capability())'
-  "$PY" -m pytest -m cuda -v
+  SUMMARY=()
+  step() {  # step NAME COMMAND...: run it, time it, keep going on failure, remember the outcome for the table
+    local name=$1 start=$SECONDS status=ok; shift
+    echo "=== $name"
+    "$@" || status="FAILED ($?)"
+    SUMMARY+=("$(printf '%-44s %-12s %5ss' "$name" "$status" $((SECONDS - start)))")
+  }
+  # Every test marked cuda: plugin kernels against the CPU or a dense reference, end to end on the GPU.
+  step "pytest -m cuda" "$PY" -m pytest -m cuda -v -rs
+  # The conformance suites run on the GPU for each plugin that declares CUDA (torch, triton, flashinfer,
+  # flashinfer_mla, flash_attn; every quant plugin); compiled Triton, not the interpreter.
+  step "conformance suites on cuda" env -u TRITON_INTERPRET "$PY" -m pytest -v -rs tests/test_conformance.py \
+    -k "Attention or Quant"
+  # A short serving measurement per attention backend, on a small random model in bfloat16 (head size 64, which
+  # FlashInfer takes).
+  MODEL=${TMPDIR:-/tmp}/fw-gpu-check-qwen2
+  "$PY" -c "from fw.testing.models import make_tiny_model as m
+m('Qwen2ForCausalLM', '$MODEL', dtype='bfloat16', hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+  head_dim=64)"
+  for attention in torch triton flashinfer; do
+    step "bench latency --attention $attention" "$PY" -m fw_cli bench latency --model "$MODEL" --device cuda \
+      --attention "$attention" --input-len 64 --output-len 32 --num-iters 2
+    step "bench throughput --attention $attention" "$PY" -m fw_cli bench throughput --model "$MODEL" \
+      --device cuda --attention "$attention" --input-len 64 --output-len 32 --num-prompts 32
+  done
+  echo "=== summary"
+  printf '%s\n' "${SUMMARY[@]}"
 } 2>&1 | tee "$LOG"

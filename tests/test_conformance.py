@@ -2,6 +2,7 @@
 
 from functools import partial
 
+from fw.interfaces.attention import MLADims
 from fw.testing.conformance import (
     AttentionConformance,
     CommConformance,
@@ -24,8 +25,20 @@ class TestFlashInferAttention(AttentionConformance):
     plugin = "flashinfer"
 
 
+class TestFlashInferMLAAttention(AttentionConformance):
+    plugin = "flashinfer_mla"
+    mla = MLADims(512, 64, 128, 128)  # DeepSeek-V2/V3's, the kernel's only ones
+    num_heads = (16, 1)  # DeepSeek-V3's 128 heads over 8 GPUs
+
+
 class TestFlashAttnAttention(AttentionConformance):
     plugin = "flash_attn"
+
+
+class TestTritonAttention(AttentionConformance):
+    """On a CPU in Triton's interpreter (tests/conftest.py), float32 only."""
+
+    plugin = "triton"
 
 
 class TestUnquantized(QuantConformance):

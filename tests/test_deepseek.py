@@ -47,10 +47,12 @@ def test_other_settings_match_transformers_fp32(checkpoint, arch):
     assert_matches_reference(checkpoint(arch, **VARIANTS[arch]))
 
 
+# The triton backend runs MLA in its kernel's absorbed form for prefill too (Triton's interpreter here).
+@pytest.mark.parametrize("attention", ["torch", "triton"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_tokens_match_transformers(checkpoint, arch):
+def test_greedy_tokens_match_transformers(checkpoint, arch, attention):
     path = checkpoint(arch)
-    assert fw_greedy(path) == hf_greedy(load_reference(path), path)
+    assert fw_greedy(path, attention=attention) == hf_greedy(load_reference(path), path)
 
 
 def test_v3_router_bias_steers_the_choice(checkpoint):
@@ -92,8 +94,9 @@ SCHEDULES = {
 }
 
 
-def run_mla(schedule, kv_cache_dtype="auto", native=True):
-    """Feed the same per-token inputs by ``schedule``; return each request's outputs, one row per token."""
+def run_mla(schedule, kv_cache_dtype="auto", native=True, backend=None, block=BLOCK):
+    """Feed the same per-token inputs by ``schedule`` to ``backend`` (the torch one by default); return each
+    request's outputs, one row per token."""
     gen = torch.Generator().manual_seed(0)
     tokens = {
         rid: [torch.randn(n, *shape, generator=gen) for shape in ((HEADS, 16), (HEADS, 8), (32,), (8,))]
@@ -102,9 +105,10 @@ def run_mla(schedule, kv_cache_dtype="auto", native=True):
     w_uk = 0.2 * torch.randn(HEADS, 16, 32, generator=gen)
     w_uv = 0.2 * torch.randn(HEADS, 32, 16, generator=gen)
     spec = AttentionLayerSpec(num_heads=HEADS, num_kv_heads=1, head_size=24, scale=24**-0.5, mla=MLA)
-    backend = TorchAttention()
-    backend.native_decode = lambda device: native  # how prepare() lays out decodes: block tables or slots
-    cache_spec = backend.kv_cache_spec(spec, BLOCK, torch.float32, kv_cache_dtype)
+    if backend is None:
+        backend = TorchAttention()
+        backend.native_decode = lambda device: native  # how prepare() lays out decodes: block tables or slots
+    cache_spec = backend.kv_cache_spec(spec, block, torch.float32, kv_cache_dtype)
     # NaN where never written (auto), so that reading an unwritten slot shows.
     cache = torch.full(cache_spec.shape(16), float("nan")).to(cache_spec.dtype)
     free = list(range(1, 16))
@@ -112,10 +116,10 @@ def run_mla(schedule, kv_cache_dtype="auto", native=True):
     blocks, done, outs = {0: [], 1: []}, {0: 0, 1: 0}, {0: [], 1: []}
     for step in schedule:
         for rid, n in step.items():
-            while len(blocks[rid]) * BLOCK < done[rid] + n:
+            while len(blocks[rid]) * block < done[rid] + n:
                 blocks[rid].append(free.pop())
         batch = AttentionBatch.build(
-            [blocks[r] for r in step], [done[r] for r in step], list(step.values()), BLOCK
+            [blocks[r] for r in step], [done[r] for r in step], list(step.values()), block
         )
         inputs = [torch.cat([tokens[r][i][done[r] : done[r] + n] for r, n in step.items()]) for i in range(4)]
         out = backend.forward_mla(spec, *inputs, w_uk, w_uv, cache, backend.prepare(batch))
@@ -146,6 +150,28 @@ def test_mla_quantized_cache_stays_close(kv_cache_dtype):
     exact, quantized = run_mla(SCHEDULES["mixed"]), run_mla(SCHEDULES["mixed"], kv_cache_dtype)
     for rid in LENGTHS:
         assert (quantized[rid] - exact[rid]).norm() / exact[rid].norm() < QUANTIZED_CACHE_TOL[kv_cache_dtype]
+
+
+def test_latent_cache_holds_one_row_per_token_and_sizes_the_capacity(checkpoint):
+    """Per token and layer the cache holds kv_lora_rank + qk_rope_head_dim values, and no K/V per head: the
+    blocks a memory budget buys, and so the engine's token capacity, follow from that row."""
+    import json
+
+    from fw import LLM
+
+    path = checkpoint("DeepseekV2ForCausalLM")
+    config = json.loads((path / "config.json").read_text())
+    row = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    budget, block = 2**20, 16
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=budget, block_size=block, max_model_len=128)
+    try:
+        engine = llm.llm_engine
+        caches = engine.executor.runner.kv_caches
+        blocks = budget // (config["num_hidden_layers"] * block * row * 4)  # float32 values
+        assert [tuple(c.shape) for c in caches] == [(1, blocks, block, 1, row)] * config["num_hidden_layers"]
+        assert engine.kv.pool.num_blocks == blocks
+    finally:
+        llm.shutdown()
 
 
 def test_chunked_prefill_and_prefix_cache_stay_token_exact(checkpoint):

@@ -11,7 +11,7 @@ import torch
 from fw.interfaces.attention import AttentionBatch, AttentionLayerSpec
 from fw.interfaces.base import Requirements
 from fw_attention_flashinfer import backend
-from fw_attention_flashinfer.spec import SPEC
+from fw_attention_flashinfer.spec import SPEC, SPEC_MLA
 
 GPU_READY = (
     torch.cuda.is_available()
@@ -52,6 +52,36 @@ def test_capabilities_reject_what_flashinfer_cannot_run():
         else ["needs the Python package(s) flashinfer, which are not installed"]
     )
     assert caps.problems(fits) == expected
+
+
+def test_mla_record_takes_deepseek_latents_only():
+    """flashinfer_mla: MLA models with DeepSeek's 512/64 latent, nothing else; the standard record no MLA."""
+    caps = SPEC_MLA.capabilities
+    deepseek = Requirements(
+        device="cuda", compute_capability=(9, 0), dtype="bfloat16", head_size=192, architecture="DeepseekV3ForCausalLM",
+        attention_features=frozenset({"mla"}), mla_dims=(512, 64),
+    )
+    missing = [] if importlib.util.find_spec("flashinfer") else ["needs the Python package(s) flashinfer, which are not installed"]
+    assert caps.problems(deepseek) == missing
+    small = caps.problems(Requirements(**{**deepseek.__dict__, "mla_dims": (64, 16)}))
+    assert "does not support an MLA latent/rope width of 64/16 (supports 512/64)" in small
+    llama = caps.problems(Requirements(device="cuda", head_size=128, architecture="LlamaForCausalLM"))
+    assert "runs multi-head latent attention only (DeepSeek-V2/V3); the model has standard attention" in llama
+    assert "does not support mla" in SPEC.capabilities.problems(deepseek)
+
+
+def test_mla_plugin_is_refused_here_with_every_reason(tmp_path):
+    from conftest import run_fw
+    from fw.testing.models import make_tiny_model
+
+    path = make_tiny_model("DeepseekV2ForCausalLM", tmp_path / "deepseek")
+    result = run_fw("plugins", "check", "--attention", "flashinfer_mla", "--device", "cpu", "--model", str(path))
+    assert result.returncode != 0
+    err = result.stderr
+    for reason in ("needs device cuda, got cpu", "does not support dtype float32 (supports bfloat16, float16)",
+                   "does not support an MLA latent/rope width of"):
+        assert "attention plugin 'flashinfer_mla' " in err and reason in err, (reason, err)
+    assert "usable attention plugins here: torch" in err
 
 
 def test_without_cuda_construction_raises_a_clear_runtime_error(monkeypatch):

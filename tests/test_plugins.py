@@ -56,6 +56,10 @@ def test_list_shows_every_plugin_distribution_in_the_repo_by_kind():
         assert shown[key]["distribution"] == dist
         assert shown[key]["status"] == "ok"
     assert {r["name"] for r in rows if r["kind"] == "models"} >= {"llama", "qwen2", "qwen3", "mixtral"}
+    # The design card's four attention backends, and multi-head latent attention in three of them.
+    attention = {r["name"]: r["capabilities"] for r in rows if r["kind"] == "attention"}
+    assert set(attention) >= {"torch", "triton", "flashinfer", "flash_attn", "flashinfer_mla"}
+    assert {n for n, caps in attention.items() if "mla" in caps.get("features", [])} == {"torch", "triton", "flashinfer_mla"}
     assert shown[("quant", "none")]["priority"] == shown[("attention", "torch")]["priority"] == 10
     text = run_fw("plugins", "list").stdout
     for kind in ("models:", "attention:", "quant:", "comm:", "kv_connector:", "sampler:"):
@@ -145,7 +149,9 @@ def test_valid_combination_passes_and_says_why_auto_chose(plain):
     result = run_fw("plugins", "check", "--device", "cpu", "--model", plain)
     assert result.returncode == 0, result.stderr
     assert f"model: {plain}\n" in result.stdout
-    assert "attention: torch  (auto: the highest priority (10) of the plugins that fit; cannot run this: " in result.stdout
+    # The tests run Triton in its interpreter (conftest), where the triton backend fits a CPU below torch.
+    assert ("attention: torch  (auto: the highest priority (10) of the plugins that fit; also fit: triton (5); "
+            "cannot run this: ") in result.stdout
     assert "flashinfer: needs device cuda, got cpu" in result.stdout
     assert "quant: none  (auto: the highest priority (10)" in result.stdout
     assert "sampler: outlines  (auto: the highest priority (2) of the plugins that fit; also fit: default (1), beam (0))" \

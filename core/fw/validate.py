@@ -50,7 +50,7 @@ def _cpu_dtype(dtype: str, device: str) -> str:
 def model_requirements(config: FwConfig, device: DeviceInfo, hf_config: dict[str, Any] | None) -> Requirements:
     quant_format = None
     dtype = None if config.model.dtype == "auto" else config.model.dtype
-    head_size = arch = None
+    head_size = arch = mla_dims = None
     features: set[str] = set()  # the attention features the model needs
     hook = plugins.get_plugin_manager().hook
     if config.model.model:
@@ -69,6 +69,7 @@ def model_requirements(config: FwConfig, device: DeviceInfo, hf_config: dict[str
             features.add("mla")
             # The query/key head (AttentionLayerSpec.head_size); config.json's head_dim is the rotary part.
             head_size = hf_config.get("qk_nope_head_dim", 0) + hf_config.get("qk_rope_head_dim", 0) or head_size
+            mla_dims = (hf_config["kv_lora_rank"], hf_config.get("qk_rope_head_dim", 0))
         if hf_config.get("attn_logit_softcapping"):
             features.add("soft_cap")
         arch = (hf_config.get("architectures") or [None])[0]
@@ -81,6 +82,7 @@ def model_requirements(config: FwConfig, device: DeviceInfo, hf_config: dict[str
         kv_cache_dtype=config.cache.kv_cache_dtype,
         block_size=config.cache.block_size,
         attention_features=frozenset(features),
+        mla_dims=mla_dims,
         quant_format=quant_format,
         architecture=arch,
     )

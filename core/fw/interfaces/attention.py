@@ -41,6 +41,10 @@ class AttentionCapabilities(Capabilities):
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})  # those the backend's kernels read
     head_sizes: frozenset[int] | None = None  # None: any head size
     block_sizes: frozenset[int] | None = None  # None: any block size
+    # A backend with kernels for multi-head latent attention only (it declares "mla"), refusing other models.
+    mla_only: bool = False
+    # The (kv_lora_rank, qk_rope_head_dim) its MLA kernels take; None: any.
+    mla_dims: frozenset[tuple[int, int]] | None = None
 
     KNOWN: ClassVar[dict[str, frozenset[str]]] = {
         **Capabilities.KNOWN,
@@ -66,6 +70,12 @@ class AttentionCapabilities(Capabilities):
             out.append(f"does not support block size {req.block_size} (supports {sorted(self.block_sizes)})")
         for feature in sorted(req.attention_features - self.provided_features):
             out.append(f"does not support {feature}")
+        if self.mla_only and req.architecture is not None and "mla" not in req.attention_features:
+            out.append("runs multi-head latent attention only (DeepSeek-V2/V3); the model has standard attention")
+        if self.mla_dims is not None and req.mla_dims is not None and req.mla_dims not in self.mla_dims:
+            shown = ", ".join(f"{r}/{p}" for r, p in sorted(self.mla_dims))
+            out.append(f"does not support an MLA latent/rope width of {req.mla_dims[0]}/{req.mla_dims[1]} "
+                       f"(supports {shown})")
         return out
 
 

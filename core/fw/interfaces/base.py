@@ -35,6 +35,8 @@ class Requirements:
     # Attention features needed: the model's ("mla", "sliding_window", "soft_cap"), and when validation looks
     # for alternatives, those another slot requires (a quant scheme's "fp8_kv").
     attention_features: frozenset[str] = frozenset()
+    # A multi-head latent attention model's (kv_lora_rank, qk_rope_head_dim): the widths of its cached rows.
+    mla_dims: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

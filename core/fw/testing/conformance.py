@@ -127,37 +127,43 @@ def dense_attention(q, k, v, positions_q, sliding_window=None, soft_cap=None):
 
 class AttentionConformance(PluginConformance):
     """Paged attention against a dense reference, for every dtype and KV-cache dtype the backend declares and two
-    block sizes.
+    block sizes; multi-head latent attention too for a backend declaring "mla".
 
-    Three steps over four requests: prompts prefilled; then a chunk continuing a prompt, a fresh prompt, a decode
-    whose token opens a new block, and a prompt whose first block is another request's (a shared, cached prefix);
-    then a decode-only step.
+    Three steps over four requests: prompts prefilled; then a chunk continuing a prompt (starting mid-block), a
+    fresh prompt, a decode whose token opens a new block, and a prompt whose first block is another request's (a
+    shared, cached prefix); then a decode-only step.
     """
 
     kind = "attention"
     head_size: ClassVar[int] = 64
+    num_heads: ClassVar[tuple[int, int]] = (4, 2)  # query heads, KV heads: a GQA group of two
     # Two sizes catch a kernel that assumes one; a backend declaring block_sizes runs (up to two of) its own.
     block_sizes: ClassVar[tuple[int, ...]] = (16, 32)
     tolerances: ClassVar[dict[torch.dtype, float]] = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
     # A quantized cache against the unquantized reference (outputs are O(1)): twice what the torch backend needs.
     kv_cache_tolerances: ClassVar[dict[str, float]] = {"fp8": 0.2, "int8": 5e-2}
+    # DeepSeek-V2's shape, scaled down (latent 64, rope 16, nope 32, values 32); a backend declaring mla_dims
+    # sets one it takes.
+    mla: ClassVar[attention.MLADims] = attention.MLADims(64, 16, 32, 32)
 
     def _cases(self) -> list[tuple[torch.dtype, int]]:
         caps = self.spec.capabilities
         sizes = sorted(caps.block_sizes)[:2] if caps.block_sizes else self.block_sizes
         return [(getattr(torch, d), b) for d in sorted(caps.dtypes) for b in sizes]
 
-    def _check(self, dtype: torch.dtype, b: int, sliding_window: int | None, kv_cache_dtype: str = "auto",
-               soft_cap: float | None = None) -> None:
+    @staticmethod
+    def _layer(heads: int, kv_heads: int, head_size: int, kv_cache_dtype: str, **kwargs) -> attention.AttentionLayerSpec:
+        # Per-layer scales other than 1, so that a kernel ignoring them fails.
+        scales = {"k_scale": 0.5, "v_scale": 2.0} if kv_cache_dtype == "fp8" else {}
+        return attention.AttentionLayerSpec(heads, kv_heads, head_size, head_size**-0.5, **kwargs, **scales)
+
+    def _steps(self, dtype, b, kv_cache_dtype, layer, make, cached, attend, reference) -> None:
+        """Run the three steps. ``make(total, gen)``: one request's per-token inputs; those at ``cached`` are what
+        the cache holds (a shared prefix holds the same); ``attend(cache, meta, *inputs)`` runs the backend;
+        ``reference(inputs, s, n)``: tokens s..s+n-1 of one request, from its float32 inputs."""
         device = self.device()
         backend = self.make()
         gen = torch.Generator().manual_seed(0)
-        heads, kv_heads = 4, 2
-        # Per-layer scales other than 1, so that a kernel ignoring them fails.
-        scales = {"k_scale": 0.5, "v_scale": 2.0} if kv_cache_dtype == "fp8" else {}
-        layer = attention.AttentionLayerSpec(
-            heads, kv_heads, self.head_size, self.head_size**-0.5, sliding_window, logits_soft_cap=soft_cap, **scales
-        )
         # Per request: its total tokens, and the (first token, count) it computes in each of the three steps.
         plan = {
             "chunked": (b + 10, [(0, b + 4), (b + 4, 5), (b + 9, 1)]),
@@ -168,14 +174,12 @@ class AttentionConformance(PluginConformance):
         free = iter(torch.randperm(12, generator=gen).tolist())
         tables = {r: [next(free) for _ in range(-(-total // b))] for r, (total, _) in plan.items() if r != "shared"}
         tables["shared"] = [tables["chunked"][0], next(free)]
-        qkv = {
-            r: [torch.randn(total, h, self.head_size, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads)]
-            for r, (total, _) in plan.items()
-        }
-        for t in (1, 2):  # the shared prefix holds the same keys and values
-            qkv["shared"][t][:b] = qkv["chunked"][t][:b]
+        inputs = {r: [t.to(dtype) for t in make(total, gen)] for r, (total, _) in plan.items()}
+        for t in cached:
+            inputs["shared"][t][:b] = inputs["chunked"][t][:b]
         spec = backend.kv_cache_spec(layer, b, dtype, kv_cache_dtype)
-        cache = torch.zeros(spec.shape(12), dtype=spec.dtype, device=device)
+        # NaN, not zeros: slots a request has not written must never reach its output.
+        cache = torch.full(spec.shape(12), float("nan"), device=device).to(spec.dtype)
         tol = max(self.tolerances[dtype], self.kv_cache_tolerances.get(kv_cache_dtype, 0.0))
         for step in range(3):
             batch = [(r, *steps[step]) for r, (_, steps) in plan.items() if steps[step] is not None]
@@ -183,20 +187,60 @@ class AttentionConformance(PluginConformance):
                 [tables[r][: -(-(s + n) // b)] for r, s, n in batch], [s for _, s, _ in batch], [n for *_, n in batch],
                 b, device,
             )
-            q, k, v = (torch.cat([qkv[r][i][s : s + n] for r, s, n in batch]).to(device) for i in range(3))
-            out = backend.forward(layer, q, k, v, cache, backend.prepare(meta)).float().cpu()
+            step_inputs = [torch.cat([inputs[r][i][s : s + n] for r, s, n in batch]).to(device)
+                           for i in range(len(inputs["late"]))]
+            out = attend(backend, cache, backend.prepare(meta), *step_inputs).float().cpu()
             row = 0
             for r, s, n in batch:
-                rq, rk, rv = (t.float() for t in qkv[r])
-                expected = dense_attention(rq[s : s + n], rk[: s + n], rv[: s + n], torch.arange(s, s + n), sliding_window,
-                                           soft_cap)
                 torch.testing.assert_close(
-                    out[row : row + n], expected, atol=tol, rtol=tol * 5,
+                    out[row : row + n], reference([t.float() for t in inputs[r]], s, n), atol=tol, rtol=tol * 5,
                     msg=lambda m, r=r, step=step: (
                         f"{dtype}, {kv_cache_dtype} cache, block size {b}, step {step + 1}, request {r!r}: {m}"
                     ),
                 )
                 row += n
+
+    def _check(self, dtype: torch.dtype, b: int, sliding_window: int | None, kv_cache_dtype: str = "auto",
+               soft_cap: float | None = None) -> None:
+        if self.spec.capabilities.mla_only:
+            pytest.skip(f"{self.plugin} runs multi-head latent attention only")
+        heads, kv_heads = self.num_heads
+        d = self.head_size
+        layer = self._layer(heads, kv_heads, d, kv_cache_dtype, sliding_window=sliding_window, logits_soft_cap=soft_cap)
+        self._steps(
+            dtype, b, kv_cache_dtype, layer,
+            lambda total, gen: [torch.randn(total, h, d, generator=gen) for h in (heads, kv_heads, kv_heads)],
+            (1, 2),
+            lambda backend, cache, meta, q, k, v: backend.forward(layer, q, k, v, cache, meta),
+            lambda qkv, s, n: dense_attention(*(t[: s + n] for t in qkv), torch.arange(n + s), sliding_window,
+                                              soft_cap)[s:],
+        )
+
+    def _check_mla(self, dtype: torch.dtype, b: int, kv_cache_dtype: str = "auto") -> None:
+        dims, heads = self.mla, self.num_heads[0]
+        gen = torch.Generator().manual_seed(1)
+        # Scaled so that each head's K and V are O(1), like the standard check's.
+        w_uk = torch.randn(heads, dims.qk_nope_head_dim, dims.kv_lora_rank, generator=gen) / dims.kv_lora_rank**0.5
+        w_uv = torch.randn(heads, dims.kv_lora_rank, dims.v_head_dim, generator=gen) / dims.kv_lora_rank**0.5
+        layer = self._layer(heads, 1, dims.qk_nope_head_dim + dims.qk_rope_head_dim, kv_cache_dtype, mla=dims)
+
+        def make(total, gen):
+            return [torch.randn(total, heads, dims.qk_nope_head_dim, generator=gen),
+                    torch.randn(total, heads, dims.qk_rope_head_dim, generator=gen),
+                    torch.randn(total, dims.kv_lora_rank, generator=gen),
+                    torch.randn(total, dims.qk_rope_head_dim, generator=gen)]
+
+        def attend(backend, cache, meta, q_nope, q_pe, latent, k_pe):
+            w = [t.to(device=cache.device, dtype=dtype) for t in (w_uk, w_uv)]
+            return backend.forward_mla(layer, q_nope, q_pe, latent, k_pe, *w, cache, meta)
+
+        def reference(inputs, s, n):
+            q_nope, q_pe, latent, k_pe = (t[: s + n] for t in inputs)
+            keys = torch.cat([(latent @ w_uk.transpose(1, 2)).transpose(0, 1), k_pe[:, None].expand(-1, heads, -1)], -1)
+            values = (latent @ w_uv).transpose(0, 1)
+            return dense_attention(torch.cat([q_nope, q_pe], -1), keys, values, torch.arange(s + n))[s:]
+
+        self._steps(dtype, b, kv_cache_dtype, layer, make, (2, 3), attend, reference)
 
     def test_paged_attention_matches_dense(self) -> None:
         for dtype, block_size in self._cases():
@@ -222,6 +266,15 @@ class AttentionConformance(PluginConformance):
         for kv_cache_dtype in quantized:
             for dtype, block_size in self._cases():
                 self._check(dtype, block_size, None, kv_cache_dtype)
+
+    def test_mla(self) -> None:
+        """Multi-head latent attention against the expanded product: K = [latent W_UK^T, k_pe], V = latent W_UV,
+        in every KV-cache dtype the backend declares."""
+        if "mla" not in self.spec.capabilities.features:
+            pytest.skip(f"{self.plugin} does not declare mla")
+        for kv_cache_dtype in sorted(self.spec.capabilities.kv_cache_dtypes):
+            for dtype, block_size in self._cases():
+                self._check_mla(dtype, block_size, kv_cache_dtype)
 
 
 def plain_checkpoint(plain: Path, _out: Path) -> Path:

@@ -9,6 +9,9 @@ that layout in float8_e4m3fn, which FlashInfer reads given the layer's scales.
 One ``BatchPrefillWithPagedKVCacheWrapper`` serves prefill chunks and decodes
 alike: its causal mask is aligned to the end of each request's KV, which is
 exactly ``AttentionBatch``'s rule that the new tokens are the last ones.
+
+The ``flashinfer_mla`` plugin is this class under a record of its own (MLA models only, DeepSeek's 512/64
+latent): ``forward_mla`` runs ``flashinfer.mla.BatchMLAPagedAttentionWrapper`` on the core's latent cache.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class FlashInferMetadata:
     kv_indptr: torch.Tensor  # [B + 1] int32, host: request i's pages are kv_indices[kv_indptr[i]:kv_indptr[i+1]]
     kv_indices: torch.Tensor  # [total pages] int32, device
     kv_last_page_len: torch.Tensor  # [B] int32, host: 1..block_size
+    kv_lens: torch.Tensor  # [B] int32, host: each request's keys (MLA's plan takes them whole)
     block_size: int
 
 
@@ -100,8 +104,20 @@ class FlashInferAttention(AttentionBackend):
             kv_indptr=kv_indptr,
             kv_indices=batch.block_tables.reshape(-1)[flat].to(torch.int32),
             kv_last_page_len=seq_lens - (num_pages - 1) * bs,
+            kv_lens=seq_lens,
             block_size=bs,
         )
+
+    def _planned(self, key: tuple, make: Any, plan: Any, meta: FlashInferMetadata) -> Any:
+        """The wrapper for one layer configuration (``key``), planned for this step's ``meta``: the first layer
+        of the configuration in a step plans, the others reuse the plan."""
+        wrapper, planned_for = self._wrappers.get(key, (None, None))
+        if wrapper is None:
+            wrapper = make(self._workspace)
+        if planned_for is not meta:
+            plan(wrapper)
+            self._wrappers[key] = (wrapper, meta)
+        return wrapper
 
     def _planned_wrapper(
         self, layer: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor, meta: FlashInferMetadata
@@ -118,12 +134,10 @@ class FlashInferAttention(AttentionBackend):
             q.dtype,
             kv_cache.dtype,
         )
-        wrapper, planned_for = self._wrappers.get(key, (None, None))
-        if wrapper is None:
-            wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        if planned_for is not meta:
-            # The first layer of this configuration in this step plans; the others reuse the plan.
-            wrapper.plan(
+        return self._planned(
+            key,
+            lambda workspace: self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD"),
+            lambda wrapper: wrapper.plan(
                 meta.qo_indptr,
                 meta.kv_indptr,
                 meta.kv_indices,
@@ -138,9 +152,9 @@ class FlashInferAttention(AttentionBackend):
                 logits_soft_cap=layer.logits_soft_cap,
                 q_data_type=q.dtype,
                 kv_data_type=kv_cache.dtype,
-            )
-            self._wrappers[key] = (wrapper, meta)
-        return wrapper
+            ),
+            meta,
+        )
 
     def forward(
         self,
@@ -156,3 +170,45 @@ class FlashInferAttention(AttentionBackend):
         if kv_cache.dtype == torch.float8_e4m3fn:  # the layer's scales apply to an fp8 cache only
             return wrapper.run(q, (k_cache, v_cache), k_scale=layer.k_scale, v_scale=layer.v_scale)
         return wrapper.run(q, (k_cache, v_cache))
+
+    def forward_mla(
+        self,
+        layer: AttentionLayerSpec,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: FlashInferMetadata,
+    ) -> torch.Tensor:
+        """FlashInfer's MLA kernel, absorbed for prefill chunks and decodes alike (the ``flashinfer_mla`` plugin):
+        it reads the latent and the rotary key as two views of the cache's one row per token."""
+        mla = layer.mla
+        rows = kv_cache[0, :, :, 0]  # [blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+        kv_quant.write(kv_cache[0], metadata.slot_mapping, torch.cat([kv_latent, k_pe], -1)[:, None], layer.k_scale)
+        wrapper = self._planned(
+            ("mla", layer.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim, layer.scale, q_nope.dtype, rows.dtype),
+            lambda workspace: self._flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace),
+            lambda wrapper: wrapper.plan(
+                metadata.qo_indptr,
+                metadata.kv_indptr,
+                metadata.kv_indices,
+                metadata.kv_lens,
+                layer.num_heads,
+                mla.kv_lora_rank,
+                mla.qk_rope_head_dim,
+                metadata.block_size,
+                True,  # causal, aligned to the end of each request's keys
+                layer.scale,
+                q_nope.dtype,
+                rows.dtype,
+            ),
+            metadata,
+        )
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, heads, kv_lora_rank]
+        out = wrapper.run(
+            q_latent.contiguous(), q_pe.contiguous(), rows[..., : mla.kv_lora_rank], rows[..., mla.kv_lora_rank :]
+        )
+        return torch.bmm(out.transpose(0, 1), w_uv).transpose(0, 1)  # [T, heads, v_head_dim]

@@ -1,0 +1,1 @@
+"""Flywheel attention plugin: paged attention in Triton (fw_attention_triton.kernel)."""
