@@ -14,6 +14,7 @@ from conftest import run_fw
 from fw.interfaces.attention import AttentionBatch, AttentionLayerSpec
 from fw.interfaces.base import Requirements
 from fw.plugins import BUILTIN_PRIORITY
+from fw.testing.conformance import dense_attention
 from fw_attention_flash_attn import backend
 from fw_attention_flash_attn.spec import SPEC
 from fw_attention_flashinfer.spec import SPEC as FLASHINFER
@@ -271,23 +272,6 @@ def test_fa3_is_used_on_hopper_only_when_it_pages(monkeypatch):
 # ------------------------------------------------------------------ GPU: against the torch backend
 
 
-def dense_attention(q, keys, values, scale, context, window, soft_cap):
-    """Causal attention of q (the last len(q) positions) over all keys, in float32."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.float().repeat_interleave(group, dim=1)
-    v = values.float().repeat_interleave(group, dim=1)
-    logits = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    if soft_cap:
-        logits = soft_cap * torch.tanh(logits / soft_cap)
-    q_pos = torch.arange(context, context + q.shape[0], device=q.device)[:, None]
-    k_pos = torch.arange(keys.shape[0], device=q.device)[None, :]
-    allowed = k_pos <= q_pos
-    if window:
-        allowed &= k_pos > q_pos - window
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", logits.softmax(-1), v)
-
-
 def _versions() -> list[int]:
     """FA2 always; FA3 too where the backend would pick it (Hopper with flash_attn_interface)."""
     if not GPU_READY:
@@ -332,7 +316,8 @@ def test_matches_the_torch_backend_on_gpu(monkeypatch, version, window, soft_cap
         qs.append(q)
         ks.append(keys[context:])
         vs.append(values[context:])
-        dense.append(dense_attention(q, keys, values, layer.scale, context, window, soft_cap))
+        dense.append(dense_attention(q, keys, values, torch.arange(context, context + new, device=device), window,
+                                     soft_cap))
     q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
     reference_cache = kv_cache.clone()
     # The same rows without the request that has no new tokens, which the torch backend is not written for.

@@ -10,6 +10,7 @@ import torch
 
 from fw.interfaces.attention import AttentionBatch, AttentionLayerSpec
 from fw.interfaces.base import Requirements
+from fw.testing.conformance import dense_attention
 from fw_attention_flashinfer import backend
 from fw_attention_flashinfer.spec import SPEC, SPEC_MLA
 
@@ -183,23 +184,6 @@ def test_prepare_builds_flashinfer_page_tables_and_plans_once_per_layer_shape(mo
 # ------------------------------------------------------------------ GPU: against dense attention
 
 
-def dense_attention(q, keys, values, scale, context, window, soft_cap):
-    """Causal attention of q (the last len(q) positions) over all keys, in float32."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.float().repeat_interleave(group, dim=1)
-    v = values.float().repeat_interleave(group, dim=1)
-    logits = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    if soft_cap:
-        logits = soft_cap * torch.tanh(logits / soft_cap)
-    q_pos = torch.arange(context, context + q.shape[0], device=q.device)[:, None]
-    k_pos = torch.arange(keys.shape[0], device=q.device)[None, :]
-    allowed = k_pos <= q_pos
-    if window:
-        allowed &= k_pos > q_pos - window
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", logits.softmax(-1), v)
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not GPU_READY, reason="needs a CUDA GPU and flashinfer")
 @pytest.mark.parametrize(
@@ -235,7 +219,8 @@ def test_matches_dense_causal_attention_on_gpu(window, soft_cap, kv_cache_dtype)
         qs.append(q)
         ks.append(keys[context:])
         vs.append(values[context:])
-        expected.append(dense_attention(q, keys, values, layer.scale, context, window, soft_cap))
+        expected.append(dense_attention(q, keys, values, torch.arange(context, context + new, device=device), window,
+                                     soft_cap))
 
     meta = attn.prepare(batch)
     out = attn.forward(layer, torch.cat(qs), torch.cat(ks), torch.cat(vs), kv_cache, meta)

@@ -117,7 +117,7 @@ def dense_attention(q, k, v, positions_q, sliding_window=None, soft_cap=None):
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) / math.sqrt(q.shape[-1])
     if soft_cap:
         scores = soft_cap * torch.tanh(scores / soft_cap)
-    key_pos = torch.arange(k.shape[0])
+    key_pos = torch.arange(k.shape[0], device=q.device)
     allowed = key_pos[None, :] <= positions_q[:, None]
     if sliding_window:
         allowed &= key_pos[None, :] > positions_q[:, None] - sliding_window
