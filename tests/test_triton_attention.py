@@ -16,7 +16,10 @@ from conftest import fw_greedy, run_fw
 from fw.testing.conformance import AttentionConformance
 from fw.testing.models import make_tiny_model
 
-pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+import triton.language as tl  # noqa: E402
+
+from fw_attention_triton.kernel import _e4m3_to_float  # noqa: E402
 
 
 def _record(interpret: str | None) -> list:
@@ -63,6 +66,31 @@ def test_head_sizes_and_groups(head_size, heads, block_size):
     not filled by whole tokens), plain MHA and MQA, each with a sliding window and a soft cap."""
     suite = type("Shape", (AttentionConformance,), {"plugin": "triton", "head_size": head_size, "num_heads": heads})()
     suite._check(torch.float32, block_size, 8, soft_cap=5.0)
+
+
+def test_fp8_cache_decoded_by_hand(monkeypatch):
+    """GPUs below compute capability 8.9 have no float8_e4m3fn in Triton: the kernel reads the bytes and decodes
+    them itself, to the same values."""
+    from fw_attention_triton import backend
+
+    monkeypatch.setattr(backend, "fp8_native", lambda device: False)
+    suite = type("Bits", (AttentionConformance,), {"plugin": "triton"})()
+    suite._check(torch.float32, 16, None, "fp8")
+    suite._check_mla(torch.float32, 16, "fp8")
+
+
+@triton.jit
+def _decode(src, dst, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(dst + i, _e4m3_to_float(tl.load(src + i)))
+
+
+def test_e4m3_decoding_covers_every_byte():
+    every = torch.arange(256, dtype=torch.uint8)
+    finite = ~torch.isnan(every.view(torch.float8_e4m3fn).float())
+    out = torch.empty(256)
+    _decode[(1,)](every, out, 256)
+    torch.testing.assert_close(out[finite], every.view(torch.float8_e4m3fn).float()[finite], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])

@@ -19,7 +19,7 @@ import triton
 
 from fw import kv_quant
 from fw.interfaces.attention import AttentionBackend, AttentionBatch, AttentionLayerSpec
-from fw_attention_triton.kernel import KV_AUTO, KV_FP8, KV_INT8, unified_attention
+from fw_attention_triton.kernel import KV_AUTO, KV_FP8, KV_FP8_BITS, KV_INT8, unified_attention
 
 # Rows of a tile: tl.dot needs at least 16; a group of more query heads per KV head takes a tile of its own.
 MIN_TILE_ROWS = 16
@@ -53,8 +53,15 @@ class TritonAttentionMetadata:
         return self._tiles[tokens_per_tile]
 
 
+def fp8_native(device: torch.device) -> bool:
+    """Whether Triton loads float8_e4m3fn itself here: its interpreter and GPUs of compute capability 8.9 and up."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _quant(part: torch.Tensor) -> int:
-    return {torch.float8_e4m3fn: KV_FP8, torch.int8: KV_INT8}.get(part.dtype, KV_AUTO)
+    if part.dtype == torch.float8_e4m3fn:
+        return KV_FP8 if fp8_native(part.device) else KV_FP8_BITS
+    return {torch.int8: KV_INT8}.get(part.dtype, KV_AUTO)
 
 
 def attend(
@@ -83,6 +90,8 @@ def attend(
     # An int8 row ends in its float32 scale (kv_quant): read through a float32 view of the same memory.
     k_scales = keys.view(torch.float32) if quant == KV_INT8 else keys
     v_scales = values.view(torch.float32) if quant == KV_INT8 else values
+    if quant == KV_FP8_BITS:
+        keys, values = keys.view(torch.uint8), values.view(torch.uint8)
     row_values = keys.shape[-1] - (kv_quant.SCALE_BYTES if quant == KV_INT8 else 0)
     pad = lambda d: max(16, triton.next_power_of_2(d))  # noqa: E731 - tl.arange takes powers of two; tl.dot >= 16
     unified_attention[(tile_req.numel(), kv_heads)](

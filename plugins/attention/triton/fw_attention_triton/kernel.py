@@ -19,7 +19,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-KV_AUTO, KV_FP8, KV_INT8 = 0, 1, 2
+# KV_FP8_BITS: an fp8 cache read as bytes and decoded by hand, for GPUs whose Triton has no float8_e4m3fn
+# (compute capability below 8.9).
+KV_AUTO, KV_FP8, KV_INT8, KV_FP8_BITS = 0, 1, 2, 3
+
+
+@triton.jit
+def _e4m3_to_float(bits):
+    """float8_e4m3fn bytes (as uint8) to float32: (8 + m) * 2^(e - 10), or m * 2^-9 when subnormal. The cache
+    never holds NaN: writes saturate."""
+    b = bits.to(tl.int32)
+    e = (b >> 3) & 15
+    m = (b & 7).to(tl.float32)
+    magnitude = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+    return tl.where(b >= 128, -magnitude, magnitude)
 
 
 @triton.jit
@@ -30,6 +43,8 @@ def _load_tile(ptr, scales_ptr, block, n, head, stride_b, stride_n, stride_h, st
                 mask=valid[:, None] & (d[None, :] < D), other=0.0)
     if KV_QUANT == 1:
         x = x.to(tl.float32) * layer_scale
+    elif KV_QUANT == 3:
+        x = _e4m3_to_float(x) * layer_scale
     elif KV_QUANT == 2:
         row_scale = tl.load(scales_ptr + block * stride_sb + n * stride_sn + head * stride_sh + SCALE_COL,
                             mask=valid, other=0.0)
