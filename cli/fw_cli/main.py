@@ -265,6 +265,37 @@ def serve(resolved: ResolvedConfig) -> None:
     run(server, host, port, config.server.uvicorn_log_level)
 
 
+@cli.command("router")
+@click.option("--prefill", multiple=True, metavar="URL",
+              help="A prefill instance: fw serve with a KV connector in the producer role. Repeat for several.")
+@click.option("--decode", multiple=True, required=True, metavar="URL",
+              help="A decode instance: fw serve with a KV connector in the consumer role. Repeat for several.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to listen on.")
+@click.option("--health-interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="Seconds between health checks of the instances.")
+@click.option("--timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
+              help="Seconds an instance may take to answer.")
+def router(prefill, decode, host, port, health_interval, timeout) -> None:
+    """Disaggregated prefill/decode behind one OpenAI-compatible endpoint.
+
+    Each request is prefilled on a --prefill instance, then decoded on a --decode instance that loads the
+    prompt's KV through its connector (round-robin over healthy instances; see fw_cli/router.py).
+    """
+    import uvicorn
+
+    from fw_cli.router import Router, build_app
+
+    for flag, urls in (("--prefill", prefill), ("--decode", decode)):
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise click.BadParameter(f"expected an http:// or https:// URL, got {url!r}", param_hint=flag)
+    click.echo(f"fw router: prefill {list(prefill)}, decode {list(decode)}; listening on http://{host}:{port}/v1",
+               err=True)
+    uvicorn.run(build_app(Router(list(prefill), list(decode), timeout, health_interval)), host=host, port=port,
+                log_level="warning")
+
+
 cli.add_command(bench)
 
 
