@@ -105,3 +105,6 @@ class TestDiskKVConnector(KVConnectorConformance):
 
 class TestDefaultSampler(SamplerConformance):
     plugin = "default"
+    def connector_options(self, role, tmp_path):
+        return {**super().connector_options(role, tmp_path), "path": str(tmp_path)}
+

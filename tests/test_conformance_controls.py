@@ -16,7 +16,8 @@ MUST_FAIL = {
     "TestAttention": {"test_paged_attention_matches_dense"},
     "TestQuant": {"test_linear_layers_match_the_dequantized_weights"},
     "TestComm": {"test_collectives_on_two_cpu_processes"},
-    "TestKVConnector": {"test_both_halves_implement_the_interface"},
+    "TestKVConnector": {"test_nothing_is_offered_before_anything_is_saved",
+                        "test_saved_prompt_kv_loads_bit_exact_into_a_fresh_consumer"},
     "TestSampler": {"test_greedy_rows_take_the_argmax"},
     "TestHooks": {"test_hooks_keep_their_contracts", "test_runs_with_engines"},
 }

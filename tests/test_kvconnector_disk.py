@@ -52,8 +52,8 @@ def test_round_trip_from_producer_to_a_fresh_consumer(tmp_path):
     gen = torch.Generator().manual_seed(0)
     produced = kv_caches(lambda shape: torch.randn(shape, generator=gen))
     meta = produce(tmp_path, PROMPT, [3, 5, 6], produced)
-    assert [block_id for block_id, _ in meta.saves] == [3, 5]  # full blocks only
-    assert sorted(os.listdir(tmp_path)) == sorted(f"{h:016x}.safetensors" for _, h in meta.saves)
+    assert [block_id for _, block_id, _ in meta.saves] == [3, 5]  # full blocks only
+    assert sorted(os.listdir(tmp_path)) == sorted(f"{h:016x}.safetensors" for _, _, h in meta.saves)
 
     scheduler, worker = connector(tmp_path, "consumer")
     consumed = kv_caches(torch.zeros)
@@ -68,10 +68,12 @@ def test_round_trip_from_producer_to_a_fresh_consumer(tmp_path):
     scheduler.update_state_after_alloc("c", [1, 7, 2], 32)
     scheduler.request_computed("c", PROMPT, [1, 7, 2], 40)  # a consumer never saves
     meta = scheduler.build_connector_meta()
-    assert [block_id for block_id, _ in meta.loads] == [1, 7] and meta.saves == ()
+    assert [block_id for _, block_id, _ in meta.loads] == [1, 7] and meta.saves == ()
     assert scheduler.build_connector_meta() == DiskConnectorMeta()  # each step's lists are handed out once
 
     run_step(worker, meta, consumed)
+    report = worker.get_finished()
+    assert report.failed == set() and report.bytes_loaded == 2 * NUM_LAYERS * consumed[0][:, 0].nbytes
     for before, after in zip(produced, consumed, strict=True):
         assert torch.equal(after[:, 1], before[:, 3])
         assert torch.equal(after[:, 7], before[:, 5])
@@ -95,11 +97,11 @@ def test_both_role_skips_blocks_already_on_disk_and_saves_new_ones_once(tmp_path
     # A chunked prefill: the first step reaches token 64, the second the end of the prompt.
     scheduler.request_computed("a", longer, [0, 1, 2, 3, 4, 5], 64)
     meta = scheduler.build_connector_meta()
-    assert [b for b, _ in meta.loads] == [0, 1] and [b for b, _ in meta.saves] == [2, 3]
+    assert [b for _, b, _ in meta.loads] == [0, 1] and [b for _, b, _ in meta.saves] == [2, 3]
     run_step(worker, meta, caches)
     scheduler.request_computed("a", longer, [0, 1, 2, 3, 4, 5], 82)
     meta = scheduler.build_connector_meta()
-    assert [b for b, _ in meta.saves] == [4]
+    assert [b for _, b, _ in meta.saves] == [4]
     run_step(worker, meta, caches)
     assert len(os.listdir(tmp_path)) == 5  # and no temporary files left behind
     # Two requests with one new prefix in the same step: it is written once.
@@ -116,12 +118,25 @@ def test_finished_request_drops_its_pending_transfers(tmp_path):
     assert scheduler.build_connector_meta() == DiskConnectorMeta()
 
 
-def test_files_from_another_model_shape_are_refused(tmp_path):
+def test_unreadable_files_fail_the_load_untouched_and_skip_the_requests_saves(tmp_path, caplog):
     meta = produce(tmp_path, PROMPT, [3, 5, 6], kv_caches(torch.ones))
-    _, worker = connector(tmp_path, "consumer")
-    worker.register_kv_caches([torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 4, 8) for _ in range(NUM_LAYERS)])
-    with pytest.raises(RuntimeError, match="one directory per model"):
-        worker.start_load_kv(DiskConnectorMeta(loads=((0, meta.saves[0][1]),)))
+    _, worker = connector(tmp_path, "both")
+    caches = [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 4, 8) for _ in range(NUM_LAYERS)]  # another model's shape
+    worker.register_kv_caches(caches)
+    (tmp_path / "0000000000000bad.safetensors").write_bytes(b"truncated")
+    step = DiskConnectorMeta(
+        loads=(("other-model", 0, meta.saves[0][2]), ("corrupt", 1, 0xBAD), ("gone", 2, 0xDEAD)),
+        saves=(("corrupt", 4, 0x5AFE), ("fine", 5, 0x600D)),
+    )
+    run_step(worker, step, caches)
+    report = worker.get_finished()
+    assert report.failed == {"other-model", "corrupt", "gone"} and report.bytes_loaded == 0
+    assert "one directory per model" in caplog.text
+    assert not any(cache.any() for cache in caches)
+    # What a failed request computed on top of missing KV is not saved; the others' blocks are.
+    assert not (tmp_path / f"{0x5AFE:016x}.safetensors").exists()
+    assert (tmp_path / f"{0x600D:016x}.safetensors").exists()
+    assert worker.get_finished().failed == set()  # each report is handed out once
 
 
 def test_spec_is_light_and_validates_options():

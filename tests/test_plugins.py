@@ -272,7 +272,8 @@ def test_allow_and_deny_lists(plain):
     [
         (["-pp", "2"], {"pipeline_parallel_size": 2}, "--pipeline-parallel-size (-pp) 2"),
         (["-dp", "2"], {"data_parallel_size": 2}, "--data-parallel-size (-dp) 2"),
-        (["--kv-connector", "disk"], {"kv_connector": "disk"}, "--kv-connector disk"),
+        (["--kv-connector", "disk", "-tp", "2"], {"kv_connector": "disk", "tensor_parallel_size": 2},
+         "--kv-connector disk with --tensor-parallel-size 2"),
     ],
 )
 def test_options_not_implemented_yet_are_refused_by_name(tmp_path, plain, flags, kwargs, named):

@@ -88,10 +88,14 @@ class AsyncEngine:
     def _step(self) -> list[RequestOutput]:
         """An engine step; when it fails, the requests it is pinned on fail and it runs again (module doc)."""
         blamed_newest = False
-        while self.engine.groups:
+        # With no requests left, a step still completes the KV connector's transfers (held blocks, aborted loads).
+        while self.engine.groups or self.engine.scheduler.kv_pending:
             try:
                 return self.engine.step()
             except Exception as exc:
+                if not self.engine.groups:
+                    log.exception("engine step failed while completing KV transfers")
+                    return []
                 named = exc.errors if isinstance(exc, RequestError) else {}
                 culprits = {request_id: e for request_id, e in named.items() if request_id in self.engine.groups}
                 if culprits:

@@ -79,7 +79,11 @@ class LLMEngine:
         self.kv = KVCacheManager(self.executor.num_blocks, block_size, config.cache.enable_prefix_caching)
         self.sampler = result.selected["sampler"].load()(result.options.get("sampler"))
         self.sampler_features = result.selected["sampler"].capabilities.features
-        self.scheduler = Scheduler(config, self.kv, self.sampler.is_ready)
+        connector = result.selected.get("kv_connector")
+        self.scheduler = Scheduler(
+            config, self.kv, self.sampler.is_ready,
+            connector.load().scheduler(result.options.get("kv_connector"), block_size) if connector else None,
+        )
         self.selected = {kind: spec.name for kind, spec in result.selected.items()}
         self.generators: dict[str, torch.Generator] = {}
         self.logits_processors: dict[str, list] = {}
@@ -126,7 +130,8 @@ class LLMEngine:
         self._validate_prompt(token_ids, params)
         masks = self._token_masks(params)
         request_id = request_id or str(next(self._ids))
-        if request_id in self.groups:
+        # A finished request's blocks may still be held for the KV connector's send, under its sequence ids.
+        if request_id in self.groups or any(request_id in (h, h.rpartition("#")[0]) for h in self.scheduler.held):
             raise EngineError(f"request id {request_id!r} is already in use")
         salt = prompt.get("cache_salt")
         metrics = new_metrics()
@@ -222,7 +227,10 @@ class LLMEngine:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
-            if self.scheduler.waiting:  # waiting on per-request preparation (a grammar compiling): don't spin
+            if self.scheduler.kv_pending:  # nothing to compute, but the connector's transfers need the worker
+                self.executor.execute(self.scheduler.step_inputs(batch))
+                self.scheduler.finish_transfers(self.executor.runner.kv_report)
+            if self.scheduler.waiting or self.scheduler.kv_pending:  # waiting on preparation or transfers: don't spin
                 time.sleep(0.002)
             return []
         inputs = self.scheduler.step_inputs(batch)
@@ -231,6 +239,10 @@ class LLMEngine:
         logits = self.executor.execute(inputs)
         compile_seconds = native.build_seconds() - built
         forward_seconds = time.perf_counter() - forward_start - compile_seconds
+        if self.scheduler.connector is not None and self.scheduler.finish_transfers(self.executor.runner.kv_report):
+            # Loads failed: those requests went back to the queue to compute their tokens, and this step's
+            # results are dropped for all (nothing was sampled or accounted yet); the next step runs the rest again.
+            return []
         self._record_prompt_logprobs(batch, inputs, logits[len(inputs.sample_rows) :])
         tokens, logprobs = self._sample(batch, inputs.sample_rows, logits[: len(inputs.sample_rows)])
         # Before update(): it advances each request past this step's tokens.
@@ -388,6 +400,8 @@ class LLMEngine:
         self.sampler.remove_request(seq.request_id)
 
     def shutdown(self) -> None:
+        if self.executor.runner.kv_connector is not None:
+            self.executor.runner.kv_connector.shutdown()
         self.executor.shutdown()
         plugins.unconfigure(self.config)
 

@@ -12,6 +12,7 @@ from fw import model_registry
 from fw.config import FwConfig
 from fw.forward_context import set_forward_context
 from fw.interfaces.attention import AttentionBatch
+from fw.interfaces.kvconnector import KVTransferReport
 from fw.model_loader import iter_safetensors, load_model, resolve_dtype
 from fw.models.base import HFConfig, ModelContext
 from fw.scheduler import StepInputs
@@ -48,6 +49,11 @@ class ModelRunner:
         self.kv_caches = [
             torch.empty(spec.shape(self.num_blocks), dtype=spec.dtype, device=device) for spec in self.kv_cache_specs
         ]
+        connector = selected.get("kv_connector")
+        self.kv_connector = connector.load().worker(options.get("kv_connector")) if connector is not None else None
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches)
+        self.kv_report = KVTransferReport()  # the connector's report of the latest step
 
     def _num_blocks(self) -> int:
         cache = self.config.cache
@@ -62,19 +68,31 @@ class ModelRunner:
             budget = DEFAULT_CPU_KV_BYTES
         return max(budget // self.bytes_per_block, 0)
 
+    def _finish_kv_transfers(self) -> None:
+        self.kv_connector.wait_for_save()
+        self.kv_report = self.kv_connector.get_finished()
+
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Run the step; returns float32 logits at ``inputs.logit_positions``, [len(logit_positions), vocab]."""
         for src, dst in inputs.copies:
             for cache in self.kv_caches:
                 cache[:, dst].copy_(cache[:, src])
+        connector = self.kv_connector
+        if connector is not None:
+            connector.start_load_kv(inputs.kv_connector_meta)
+        if not inputs.num_new:  # a step that only moves KV: asynchronous loads or sends in flight
+            self._finish_kv_transfers()
+            return torch.empty(0, self.hf_config.vocab_size, dtype=torch.float32, device=self.device)
         batch = AttentionBatch.build(inputs.block_tables, inputs.num_computed, inputs.num_new, self.block_size, self.device)
         positions = torch.cat(
             [torch.arange(c, c + n) for c, n in zip(inputs.num_computed, inputs.num_new, strict=True)]
         ).to(self.device)
         input_ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=self.device)
-        with set_forward_context(self.attention.prepare(batch), self.kv_caches):
+        with set_forward_context(self.attention.prepare(batch), self.kv_caches, connector, inputs.kv_connector_meta):
             hidden = self.model(input_ids, positions)
+        if connector is not None:
+            self._finish_kv_transfers()
         rows = torch.tensor(inputs.logit_positions, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         if logits.dtype != torch.float32:  # widening here would hide ties that rounding already made

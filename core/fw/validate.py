@@ -194,7 +194,13 @@ def _not_implemented(config: FwConfig) -> list[str]:
         (parallel.pipeline_parallel_size != 1,
          f"--pipeline-parallel-size (-pp) {parallel.pipeline_parallel_size}: pipeline parallelism"),
         (parallel.data_parallel_size != 1, f"--data-parallel-size (-dp) {parallel.data_parallel_size}: data parallelism"),
-        (connector is not None, f"--kv-connector {connector}: driving a KV connector from the engine"),
+        # The engine reads the connector's transfer reports from rank 0 alone.
+        (connector is not None and parallel.tensor_parallel_size > 1,
+         f"--kv-connector {connector} with --tensor-parallel-size {parallel.tensor_parallel_size}: "
+         "a KV connector across tensor-parallel ranks"),
+        (connector is not None and parallel.pipeline_parallel_size > 1,
+         f"--kv-connector {connector} with --pipeline-parallel-size {parallel.pipeline_parallel_size}: "
+         "a KV connector across pipeline stages"),
     ]
     return [f"{what} is not implemented yet" for given, what in refused if given]
 

@@ -79,7 +79,7 @@ class ReversedGather(TorchDistributed):
 
 
 class PartialBlocksScheduler(kvconnector.KVConnectorScheduler):
-    """Offers every remaining prompt token, though only whole blocks can be loaded."""
+    """Offers every prompt token but the last, though nothing was saved (and its worker loads nothing)."""
 
     def get_num_new_matched_tokens(self, request_id, token_ids, num_computed_tokens):
         return len(token_ids) - num_computed_tokens - 1

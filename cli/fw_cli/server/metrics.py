@@ -24,7 +24,8 @@ class _EngineState:
         sched, kv = self.engine.scheduler, self.engine.kv
         for name, doc, value in (
             ("fw:num_requests_running", "Requests in the running batch.", len(sched.running)),
-            ("fw:num_requests_waiting", "Requests waiting to be scheduled.", len(sched.waiting)),
+            ("fw:num_requests_waiting", "Requests waiting to be scheduled (or for their KV to arrive).",
+             len(sched.waiting) + len(sched.waiting_for_kv)),
             ("fw:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", kv.usage()),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
@@ -32,6 +33,24 @@ class _EngineState:
                                   value=kv.prefix_cache_queries)
         yield CounterMetricFamily("fw:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                   value=kv.prefix_cache_hits)
+        if sched.connector is None:
+            return
+        stats = sched.connector_stats
+        yield CounterMetricFamily("fw:external_prefix_cache_queries",
+                                  "Prompt tokens looked up through the KV connector.", value=stats.queries)
+        yield CounterMetricFamily("fw:external_prefix_cache_hits",
+                                  "Prompt tokens the KV connector loaded instead of computing.", value=stats.hits)
+        # fw's own names: vLLM has these per connector only (vllm:nixl_bytes_transferred, ...).
+        moved = CounterMetricFamily("fw:kv_transfer_bytes", "KV-cache bytes the connector moved.",
+                                    labels=["direction"])
+        moved.add_metric(["load"], stats.bytes_loaded)
+        moved.add_metric(["save"], stats.bytes_saved)
+        yield moved
+        yield CounterMetricFamily("fw:kv_transfer_seconds", "Time the KV connector spent transferring.",
+                                  value=stats.seconds)
+        yield CounterMetricFamily("fw:kv_load_failures",
+                                  "Requests whose KV load failed or timed out and which computed their prompt.",
+                                  value=stats.failed_loads)
 
 
 class Metrics:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fw.interfaces.base import Capabilities, Requirements
@@ -40,7 +40,19 @@ class KVConnectorCapabilities(Capabilities):
 
 
 class KVConnectorScheduler(ABC):
-    """Runs in the scheduler process."""
+    """Runs in the scheduler process. The engine calls, per step::
+
+        get_num_new_matched_tokens()  each request it admits (not those asking for prompt logprobs)
+        update_state_after_alloc()    after allocating the request's blocks
+        request_computed()            each scheduled request
+        build_connector_meta()        once; the result travels to every worker in the step's inputs
+        request_finished()            when a request ends or is aborted, before its blocks are freed
+    """
+
+    # True: the worker loads after the step that scheduled the load, and reports it in
+    # ``KVConnectorWorker.get_finished().loaded``; the request waits for it without being scheduled.
+    # False: ``start_load_kv`` completes the loads before the forward pass of the same step.
+    load_async: ClassVar[bool] = False
 
     def __init__(self, options: BaseModel | None, block_size: int) -> None:
         self.options = options
@@ -48,23 +60,53 @@ class KVConnectorScheduler(ABC):
 
     @abstractmethod
     def get_num_new_matched_tokens(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> int:
-        """Prompt tokens past ``num_computed_tokens`` (already local) that can be loaded from outside."""
+        """Tokens past ``num_computed_tokens`` (already local) that can be loaded from outside.
+
+        ``token_ids``: the request's tokens (its prompt; after a preemption, its outputs too). At most
+        ``len(token_ids) - 1 - num_computed_tokens``: the last token is computed locally, its logits
+        give the next token.
+        """
 
     @abstractmethod
     def update_state_after_alloc(self, request_id: str, block_ids: list[int], num_external_tokens: int) -> None:
-        """Blocks were allocated for the request; remember which to fill with loaded KV."""
+        """Blocks were allocated for the request (``block_ids``: its whole block table, in logical
+        order); remember which to fill with the ``num_external_tokens`` loaded tokens."""
+
+    def request_computed(
+        self, request_id: str, token_ids: Sequence[int], block_ids: list[int], num_computed_tokens: int
+    ) -> None:
+        """Once this step runs, the request's first ``num_computed_tokens`` of ``token_ids`` have KV in
+        ``block_ids`` (its whole block table): where a connector learns what it may save."""
 
     @abstractmethod
     def build_connector_meta(self) -> Any:
-        """Called once per step: what the worker side must load and save in this step."""
+        """Called once per step: what the worker side must load and save in this step (plain, picklable data)."""
 
     def request_finished(self, request_id: str, block_ids: list[int]) -> bool:
-        """The request ended. Return True to keep its blocks until the worker reports the save done."""
+        """The request ended. Return True to keep its blocks until the worker reports them in ``get_finished().sent``.
+
+        Also called, its answer ignored, when the request's load failed: forget it, it computes from scratch.
+        """
         return False
 
 
+@dataclass
+class KVTransferReport:
+    """What a worker's transfers did since the previous report."""
+
+    sent: set[str] = field(default_factory=set)  # requests whose held blocks (request_finished -> True) may be freed
+    loaded: set[str] = field(default_factory=set)  # asynchronous loads that completed
+    failed: set[str] = field(default_factory=set)  # loads that failed or timed out: the engine recomputes
+    bytes_loaded: int = 0
+    bytes_saved: int = 0
+    seconds: float = 0.0  # time spent transferring (loads and saves)
+
+
 class KVConnectorWorker(ABC):
-    """Runs next to the KV cache, in every worker process."""
+    """Runs next to the KV cache, in every worker process. Per step: ``start_load_kv(meta)``; per attention
+    layer ``wait_for_layer_load(i)`` before it and ``save_kv_layer(i, ...)`` after it; ``wait_for_save()``;
+    then ``get_finished()``. A step that computes nothing, run only because transfers are in flight,
+    skips the layers."""
 
     def __init__(self, options: BaseModel | None) -> None:
         self.options = options
@@ -74,7 +116,10 @@ class KVConnectorWorker(ABC):
 
     @abstractmethod
     def start_load_kv(self, meta: Any) -> None:
-        """Before the forward pass: begin loading the step's external KV into the caches."""
+        """Before the forward pass: begin loading the step's external KV into the caches.
+
+        A load that cannot complete must not raise: report its request in ``get_finished().failed``.
+        """
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
         """Block until layer ``layer_idx``'s KV is in place (layer-wise pipelining)."""
@@ -85,6 +130,43 @@ class KVConnectorWorker(ABC):
 
     def wait_for_save(self) -> None:
         """Block until every save of the step is complete."""
+
+    def get_finished(self) -> KVTransferReport:
+        """After the step: what completed or failed since the last call."""
+        return KVTransferReport()
+
+    def shutdown(self) -> None:
+        """The engine stops: release sockets, threads and buffers."""
+
+
+class SavedBlocks:
+    """A worker's helper for saves: ``save_kv_layer`` gathers the step's blocks layer by layer, ``wait_for_save``
+    takes them to the host all at once.
+
+    The copies stay on the cache's device until then: no host sync in the middle of the forward pass, and later
+    writes to the cache cannot change them.
+    """
+
+    def __init__(self) -> None:
+        self._layers: dict[int, torch.Tensor] = {}  # layer -> [parts, n_saves, block_size, ...]
+        self._saves: Any = ()
+
+    def gather(self, layer_idx: int, kv_cache: torch.Tensor, block_ids: list[int], saves: Any) -> None:
+        """Copy ``block_ids`` of layer ``layer_idx``; ``saves`` (what they are, one entry per block) comes back from take()."""
+        import torch
+
+        self._layers[layer_idx] = kv_cache.index_select(1, torch.tensor(block_ids, device=kv_cache.device))
+        self._saves = saves
+
+    def take(self, num_layers: int) -> tuple[list[torch.Tensor], Any]:
+        """Every layer's copies on the host, in layer order, and the saves; ``([], ())`` when the step saved nothing."""
+        layers, saves = self._layers, self._saves
+        self._layers, self._saves = {}, ()
+        if not layers:
+            return [], ()
+        if sorted(layers) != list(range(num_layers)):
+            raise RuntimeError(f"save_kv_layer ran for layers {sorted(layers)} of {num_layers}: a block needs every layer")
+        return [layers[i].cpu() for i in range(num_layers)], saves
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fw.forward_context import get_forward_context
+from fw.forward_context import get_forward_context, save_kv_layer, wait_for_kv_layer
 from fw.interfaces.attention import AttentionBackend, AttentionLayerSpec
 
 
@@ -25,6 +25,7 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         s = self.spec
         num_tokens = q.shape[0]
+        wait_for_kv_layer(s.layer_idx)
         out = self.backend.forward(
             s,
             q.view(num_tokens, s.num_heads, s.head_size),
@@ -33,6 +34,7 @@ class Attention(nn.Module):
             ctx.kv_caches[s.layer_idx],
             ctx.metadata,
         )
+        save_kv_layer(s.layer_idx)
         return out.reshape(num_tokens, s.num_heads * s.head_size)
 
 
@@ -51,7 +53,9 @@ class MLAAttention(Attention):
         """-> [T, heads * v_head_dim]."""
         ctx = get_forward_context()
         s = self.spec
+        wait_for_kv_layer(s.layer_idx)
         out = self.backend.forward_mla(
             s, q_nope, q_pe, kv_latent, k_pe, w_uk, w_uv, ctx.kv_caches[s.layer_idx], ctx.metadata
         )
+        save_kv_layer(s.layer_idx)
         return out.reshape(q_nope.shape[0], s.num_heads * s.mla.v_head_dim)

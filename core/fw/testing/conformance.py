@@ -25,6 +25,7 @@ import math
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -513,11 +514,85 @@ class KVConnectorConformance(PluginConformance):
         assert isinstance(pair, kvconnector.KVConnector)
         assert issubclass(pair.scheduler, kvconnector.KVConnectorScheduler)
         assert issubclass(pair.worker, kvconnector.KVConnectorWorker)
-        options = self.spec.parse_options(self.options)
-        sched = pair.scheduler(options, 16)
-        assert sched.get_num_new_matched_tokens("r0", list(range(40)), 0) % 16 == 0
-        pair.worker(options).register_kv_caches([torch.zeros(2, 4, 16, 1, 8)])
 
+    def test_nothing_is_offered_before_anything_is_saved(self, tmp_path: Path) -> None:
+        scheduler, _ = self._halves("consumer", tmp_path, self._caches(torch.zeros))
+        assert scheduler.get_num_new_matched_tokens("r", self.PROMPT, 0) == 0
+
+    def test_saved_prompt_kv_loads_bit_exact_into_a_fresh_consumer(self, tmp_path: Path) -> None:
+        bs, prompt = self.BLOCK_SIZE, self.PROMPT
+        gen = torch.Generator().manual_seed(0)
+        produced = self._caches(lambda *shape: torch.randn(*shape, generator=gen))
+        producer, producer_worker = self._halves("producer", tmp_path, produced)
+        p_blocks, c_blocks = [3, 5, 6], [1, 7, 2]
+        producer.get_num_new_matched_tokens("r", prompt, 0)
+        producer.update_state_after_alloc("r", p_blocks, 0)
+        producer.request_computed("r", prompt, p_blocks, len(prompt))
+        sent = "r" in self._step(producer, producer_worker, computes=True).sent
+        held = producer.request_finished("r", p_blocks)
+
+        consumed = self._caches(torch.zeros)
+        consumer, consumer_worker = self._halves("consumer", tmp_path, consumed)
+        offered = consumer.get_num_new_matched_tokens("r", prompt, 0)
+        # Something must be offered, but never the last token: its logits give the first output token.
+        assert 0 < offered < len(prompt), offered
+        consumer.update_state_after_alloc("r", c_blocks, offered)
+        consumer.request_computed("r", prompt, c_blocks, len(prompt))
+        report = self._step(consumer, consumer_worker, computes=not consumer.load_async)
+        loaded = not consumer.load_async
+        deadline = time.monotonic() + self.TIMEOUT
+        while not (loaded and (sent or not held)):
+            assert "r" not in report.failed, "the load failed"
+            assert time.monotonic() < deadline, f"loaded: {loaded}, blocks held and not sent: {held and not sent}"
+            loaded = loaded or "r" in report.loaded
+            sent = sent or "r" in self._step(producer, producer_worker, computes=False).sent
+            report = self._step(consumer, consumer_worker, computes=False)
+        assert "r" not in report.failed
+        for t in range(offered):
+            src, dst = p_blocks[t // bs], c_blocks[t // bs]
+            for before, after in zip(produced, consumed, strict=True):
+                assert torch.equal(after[:, dst, t % bs], before[:, src, t % bs]), f"token {t}"
+        # No block but those holding the loaded tokens was written (the rest of the last one may be).
+        untouched = [b for b in range(8) if b not in c_blocks[: -(-offered // bs)]]
+        for after in consumed:
+            assert not after[:, untouched].any()
+    """Drives both halves as the engine does: a producer computes a prompt's KV, a fresh consumer loads it.
+
+    Override ``connector_options(role, tmp_path)`` to point both sides at one store or at each other.
+    """
+
+
+    BLOCK_SIZE: ClassVar[int] = 16
+    PROMPT: ClassVar[list[int]] = list(range(1000, 1040))  # two full blocks and a partial one
+    TIMEOUT: ClassVar[float] = 30.0  # seconds an asynchronous load or send may take
+
+    def connector_options(self, role: str, tmp_path: Path) -> dict[str, Any]:
+        """The options of one side (``role``: producer or consumer, set where the plugin has a role option);
+        both sides share ``tmp_path``."""
+        has_role = self.spec.options is not None and "role" in self.spec.options.model_fields
+        return {**self.options, "role": role} if has_role else dict(self.options)
+
+    def _halves(self, role: str, tmp_path: Path, caches: list[torch.Tensor]) -> tuple[Any, Any]:
+        pair = self.spec.load()
+        options = self.spec.parse_options(self.connector_options(role, tmp_path))
+        scheduler, worker = pair.scheduler(options, self.BLOCK_SIZE), pair.worker(options)
+        worker.register_kv_caches(caches)
+        return scheduler, worker
+
+    @staticmethod
+    def _step(scheduler: Any, worker: Any, computes: bool) -> kvconnector.KVTransferReport:
+        """One engine step on the worker side; one that computes nothing runs no layers (as the model runner)."""
+        meta = scheduler.build_connector_meta()
+        worker.start_load_kv(meta)
+        if computes:
+            for i, cache in enumerate(worker.kv_caches):
+                worker.wait_for_layer_load(i)
+                worker.save_kv_layer(i, cache, meta)
+        worker.wait_for_save()
+        return worker.get_finished()
+
+    def _caches(self, fill: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
+        return [fill(2, 8, self.BLOCK_SIZE, 2, 8) for _ in range(2)]  # the default layout, 8 blocks, 2 layers
 
 class SamplerConformance(PluginConformance):
     kind = "sampler"

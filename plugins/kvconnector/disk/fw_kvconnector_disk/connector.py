@@ -19,7 +19,13 @@ Engine call order, per step::
                                                      per layer i: wait_for_layer_load(i), attention,
                                                                   save_kv_layer(i, kv_caches[i], meta)
                                                      wait_for_save()   (writes the step's files)
+                                                     get_finished()    (failed loads, bytes, time)
     request_finished()            when a request ends
+
+Loads are synchronous: they complete in ``start_load_kv``, before the forward
+pass. A file that cannot be read (deleted, corrupt, another model's) fails
+its request's load, which the engine then recomputes; nothing that request
+computed in the step is saved.
 
 Files hold whole blocks as one worker sees them, so this connector serves a
 single worker process per engine: with tensor or pipeline parallelism each
@@ -28,8 +34,10 @@ worker holds a shard and their files would collide.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,17 +45,27 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from fw.interfaces.kvconnector import KVConnector, KVConnectorScheduler, KVConnectorWorker
+from fw.interfaces.kvconnector import (
+    KVConnector,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    KVTransferReport,
+    SavedBlocks,
+)
 from fw.kv_cache import hash_block_tokens
 from fw_kvconnector_disk.spec import DiskOptions
+
+log = logging.getLogger("fw")
 
 
 @dataclass(frozen=True)
 class DiskConnectorMeta:
     """One step's transfers, as plain data (it is sent to the worker processes)."""
 
-    loads: tuple[tuple[int, int], ...] = ()  # (block_id, block_hash): fill the block from the hash's file
-    saves: tuple[tuple[int, int], ...] = ()  # (block_id, block_hash): write the block to the hash's file
+    # (request_id, block_id, block_hash): fill the block from the hash's file
+    loads: tuple[tuple[str, int, int], ...] = ()
+    # (request_id, block_id, block_hash): write the block to the hash's file
+    saves: tuple[tuple[str, int, int], ...] = ()
 
 
 def block_file(root: str, block_hash: int) -> str:
@@ -60,9 +78,9 @@ class DiskScheduler(KVConnectorScheduler):
         self._hashes: dict[str, list[int]] = {}  # request -> hashes of its full prompt blocks
         self._matched: dict[str, tuple[int, list[int]]] = {}  # request -> (first block index, hashes on disk)
         self._next_save: dict[str, int] = {}  # request -> first prompt block not yet considered for saving
-        self._loads: list[tuple[int, int]] = []
-        # hash -> block id: two requests computing the same prefix in one step save it once.
-        self._saves: dict[int, int] = {}
+        self._loads: list[tuple[str, int, int]] = []
+        # hash -> (request, block id): two requests computing the same prefix in one step save it once.
+        self._saves: dict[int, tuple[str, int]] = {}
 
     def _prompt_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
         hashes = self._hashes.get(request_id)
@@ -99,7 +117,7 @@ class DiskScheduler(KVConnectorScheduler):
         """``block_ids`` is the request's whole block table, in logical order."""
         first, found = self._matched.pop(request_id, (0, []))
         for i, block_hash in enumerate(found[: num_external_tokens // self.block_size]):
-            self._loads.append((block_ids[first + i], block_hash))
+            self._loads.append((request_id, block_ids[first + i], block_hash))
 
     def request_computed(
         self, request_id: str, token_ids: Sequence[int], block_ids: list[int], num_computed_tokens: int
@@ -118,13 +136,11 @@ class DiskScheduler(KVConnectorScheduler):
         end = min(num_computed_tokens // self.block_size, len(hashes))
         for i in range(start, end):
             if hashes[i] not in self._saves and not self._on_disk(hashes[i]):
-                self._saves[hashes[i]] = block_ids[i]
+                self._saves[hashes[i]] = (request_id, block_ids[i])
         self._next_save[request_id] = max(start, end)
 
     def build_connector_meta(self) -> DiskConnectorMeta:
-        meta = DiskConnectorMeta(
-            loads=tuple(self._loads), saves=tuple((block_id, h) for h, block_id in self._saves.items())
-        )
+        meta = DiskConnectorMeta(loads=tuple(self._loads), saves=tuple((r, b, h) for h, (r, b) in self._saves.items()))
         self._loads, self._saves = [], {}
         return meta
 
@@ -134,9 +150,8 @@ class DiskScheduler(KVConnectorScheduler):
         # A request that ends before its step's metadata is built (an abort) frees blocks that may be
         # handed out again: drop its pending transfers. Saves are done within their step, so the
         # blocks need not be kept.
-        freed = set(block_ids)
-        self._loads = [(b, h) for b, h in self._loads if b not in freed]
-        self._saves = {h: b for h, b in self._saves.items() if b not in freed}
+        self._loads = [load for load in self._loads if load[0] != request_id]
+        self._saves = {h: save for h, save in self._saves.items() if save[0] != request_id}
         return False
 
 
@@ -144,8 +159,8 @@ class DiskWorker(KVConnectorWorker):
     def __init__(self, options: DiskOptions | None) -> None:
         super().__init__(options or DiskOptions())
         self.kv_caches: list[torch.Tensor] = []
-        self._gathered: dict[int, torch.Tensor] = {}  # layer -> [2, n_saves, block_size, heads, dim]
-        self._saves: tuple[tuple[int, int], ...] = ()
+        self._saved = SavedBlocks()
+        self._report = KVTransferReport()
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -157,50 +172,55 @@ class DiskWorker(KVConnectorWorker):
 
     def start_load_kv(self, meta: DiskConnectorMeta) -> None:
         # Loads finish here, before the forward pass, so wait_for_layer_load has nothing to wait for.
-        for block_id, block_hash in meta.loads:
-            name = block_file(self.options.path, block_hash)
+        start = time.perf_counter()
+        for request_id, block_id, block_hash in meta.loads:
+            if request_id in self._report.failed:
+                continue
             try:
-                tensors = load_file(name)
-            except Exception as exc:  # deleted or corrupted since the scheduler saw it
-                raise RuntimeError(f"cannot load KV block file {name}: {type(exc).__name__}: {exc}") from exc
-            if len(tensors) != len(self.kv_caches):
+                self._report.bytes_loaded += self._load(block_id, block_file(self.options.path, block_hash))
+            except Exception as exc:  # noqa: BLE001 - any unreadable file is a miss: the engine recomputes
+                log.warning("KV connector disk: request %s computes its prompt: %s", request_id, exc)
+                self._report.failed.add(request_id)
+        self._report.seconds += time.perf_counter() - start
+
+    def _load(self, block_id: int, name: str) -> int:
+        tensors = load_file(name)
+        if len(tensors) != len(self.kv_caches):
+            raise RuntimeError(
+                f"{name} holds {len(tensors)} layers but this model has {len(self.kv_caches)}; use one directory per model"
+            )
+        for layer_idx, cache in enumerate(self.kv_caches):
+            block, dst = tensors[f"layer.{layer_idx}"], cache[:, block_id]
+            if block.shape != dst.shape or block.dtype != dst.dtype:
                 raise RuntimeError(
-                    f"{name} holds {len(tensors)} layers but this model has {len(self.kv_caches)}; "
-                    "use one directory per model"
+                    f"{name} layer {layer_idx} is {block.dtype} {tuple(block.shape)}, the cache block is "
+                    f"{dst.dtype} {tuple(dst.shape)}; use one directory per model"
                 )
-            for layer_idx, cache in enumerate(self.kv_caches):
-                block, dst = tensors[f"layer.{layer_idx}"], cache[:, block_id]
-                if block.shape != dst.shape or block.dtype != dst.dtype:
-                    raise RuntimeError(
-                        f"{name} layer {layer_idx} is {block.dtype} {tuple(block.shape)}, the cache block is "
-                        f"{dst.dtype} {tuple(dst.shape)}; use one directory per model"
-                    )
-                dst.copy_(block)
+        for layer_idx, cache in enumerate(self.kv_caches):
+            cache[:, block_id].copy_(tensors[f"layer.{layer_idx}"])
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, meta: DiskConnectorMeta) -> None:
-        if not meta.saves:
-            return
-        ids = torch.tensor([block_id for block_id, _ in meta.saves], device=kv_cache.device)
-        # A copy on the cache's device: no host sync in the middle of the forward pass, and later
-        # writes to the cache cannot change it. The files are written in wait_for_save.
-        self._gathered[layer_idx] = kv_cache.index_select(1, ids)
-        self._saves = meta.saves
+        if meta.saves:  # the files are written in wait_for_save
+            self._saved.gather(layer_idx, kv_cache, [block_id for _, block_id, _ in meta.saves], meta.saves)
 
     def wait_for_save(self) -> None:
-        gathered, saves = self._gathered, self._saves
-        self._gathered, self._saves = {}, ()
-        if not gathered:
+        start = time.perf_counter()
+        on_host, saves = self._saved.take(len(self.kv_caches))
+        if not saves:
             return
-        if sorted(gathered) != list(range(len(self.kv_caches))):
-            raise RuntimeError(
-                f"save_kv_layer ran for layers {sorted(gathered)} of {len(self.kv_caches)}: "
-                "a block file must hold every layer"
-            )
         os.makedirs(self.options.path, exist_ok=True)
-        on_host = {layer_idx: t.cpu() for layer_idx, t in gathered.items()}
-        for j, (_, block_hash) in enumerate(saves):
-            tensors = {f"layer.{i}": t[:, j].contiguous() for i, t in on_host.items()}
+        for j, (request_id, _, block_hash) in enumerate(saves):
+            if request_id in self._report.failed:  # computed on top of KV that never arrived
+                continue
+            tensors = {f"layer.{i}": t[:, j].contiguous() for i, t in enumerate(on_host)}
             _write_atomically(block_file(self.options.path, block_hash), tensors)
+            self._report.bytes_saved += sum(t.numel() * t.element_size() for t in tensors.values())
+        self._report.seconds += time.perf_counter() - start
+
+    def get_finished(self) -> KVTransferReport:
+        report, self._report = self._report, KVTransferReport()
+        return report
 
 
 def _write_atomically(name: str, tensors: dict[str, torch.Tensor]) -> None:

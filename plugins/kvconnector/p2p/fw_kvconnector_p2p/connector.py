@@ -1,0 +1,438 @@
+"""P2P KV connector: prompt KV from a prefill instance (producer) to a decode instance (consumer).
+
+The producer's worker keeps a copy of every prompt block it computes in a
+bounded buffer (least recently used dropped first), keyed by the block's
+prefix hash, and serves it on a side channel (a TCP socket, ``host:port``).
+Its blocks in the KV cache are never held for a consumer, so a consumer that
+dies or never comes costs the producer nothing but buffer space.
+
+The consumer's scheduler asks the side channel which of a prompt's prefix
+hashes the producer holds (``have``); the request then waits while its
+worker pulls those blocks (``get``) in a background thread, and runs once
+they are copied into its cache. A lookup that fails is a miss; a pull that
+fails or outlasts ``timeout`` is reported failed and the engine computes
+the tokens. The hash chain covers the prompt but its last token, the last
+(partial) block included, so a consumer computes only that one token.
+
+Side channel messages are a 4-byte length and a JSON header, then
+``payload`` bytes of raw block data. The handshake (``hello``) exchanges
+host ids and the per-layer block layout: blocks only move between caches of
+the same layout, and over shared memory (a file in /dev/shm that the
+consumer creates and the producer writes) when both run on one host, over
+the socket otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fw.interfaces.kvconnector import (
+    KVConnector,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    KVTransferReport,
+    SavedBlocks,
+)
+from fw.kv_cache import hash_block_tokens
+from fw_kvconnector_p2p.spec import P2POptions
+
+log = logging.getLogger("fw")
+
+_LENGTH = struct.Struct("!I")
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "fw-kv-p2p-"
+
+
+def host_id() -> str:
+    """Equal for two processes that share this host's /dev/shm (hostname and boot id)."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    return f"{socket.gethostname()}/{boot.read_text().strip() if boot.exists() else ''}"
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The hash chain over every token but the last: full blocks, then the partial rest, if any."""
+    end, parent, out = len(token_ids) - 1, None, []
+    for start in range(0, end, block_size):
+        parent = hash_block_tokens(parent, token_ids[start : min(start + block_size, end)])
+        out.append(parent)
+    return out
+
+
+# --- the side channel's wire format ------------------------------------------
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError("the peer closed the side channel")
+        got += k
+    return buf
+
+
+def send_message(sock: socket.socket, header: dict[str, Any], payload: bytes = b"") -> None:
+    data = json.dumps({**header, "payload": len(payload)}).encode()
+    sock.sendall(_LENGTH.pack(len(data)) + data)
+    if payload:
+        sock.sendall(payload)
+
+
+def recv_message(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
+    (size,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
+    header = json.loads(_recv_exact(sock, size))
+    return header, _recv_exact(sock, header["payload"])
+
+
+def _connect(peer: str, timeout: float) -> socket.socket:
+    host, _, port = peer.rpartition(":")
+    return socket.create_connection((host, int(port)), timeout=timeout)
+
+
+# --- producer: the buffer and the server ---------------------------------------
+
+
+class BlockBuffer:
+    """Block hash -> the block's bytes (every layer), least recently used dropped past ``capacity`` bytes."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._blocks: OrderedDict[int, bytes] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def put(self, block_hash: int, data: bytes) -> None:
+        with self._lock:
+            old = self._blocks.pop(block_hash, None)
+            self._size += len(data) - (len(old) if old is not None else 0)
+            self._blocks[block_hash] = data
+            while self._size > self.capacity:
+                self._size -= len(self._blocks.popitem(last=False)[1])
+
+    def count_prefix(self, hashes: Sequence[int]) -> int:
+        """How many leading ``hashes`` are held (a prefix chain: nothing past a missing one is usable)."""
+        with self._lock:
+            n = 0
+            for h in hashes:
+                if h not in self._blocks:
+                    break
+                self._blocks.move_to_end(h)
+                n += 1
+            return n
+
+    def get(self, hashes: Sequence[int]) -> list[bytes] | None:
+        with self._lock:
+            if any(h not in self._blocks for h in hashes):
+                return None
+            return [self._blocks[h] for h in hashes]
+
+
+class SideChannel:
+    """The producer's server: ``hello``, ``have`` and ``get`` on a listening socket, one thread per connection."""
+
+    def __init__(self, host: str, port: int, buffer: BlockBuffer, layout: list) -> None:
+        self.buffer, self.layout = buffer, layout
+        self.sock = socket.create_server((host, port))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, name="fw-kv-p2p-server", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="fw-kv-p2p-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                while True:
+                    header, _ = recv_message(conn)
+                    self._answer(conn, header)
+            except (ConnectionError, OSError, ValueError):
+                return  # the peer went away or spoke nonsense: its requests time out on its side
+
+    def _answer(self, conn: socket.socket, header: dict[str, Any]) -> None:
+        op = header.get("op")
+        if op == "hello":
+            send_message(conn, {"host": host_id(), "layout": self.layout})
+        elif op == "have":
+            send_message(conn, {"count": self.buffer.count_prefix(header["hashes"])})
+        elif op == "get":
+            blocks = self.buffer.get(header["hashes"])
+            if blocks is None:
+                send_message(conn, {"error": "blocks no longer held (dropped from the producer's buffer)"})
+            elif header.get("shm"):
+                self._write_shm(conn, header["shm"], blocks)
+            else:
+                send_message(conn, {"ok": True}, b"".join(blocks))
+        else:
+            send_message(conn, {"error": f"unknown op {op!r}"})
+
+    @staticmethod
+    def _write_shm(conn: socket.socket, name: str, blocks: list[bytes]) -> None:
+        path = SHM_DIR / name
+        if path.parent != SHM_DIR or not name.startswith(SHM_PREFIX):  # only files a consumer made for this
+            send_message(conn, {"error": f"shm: {name!r} is not a {SHM_PREFIX}* file name"})
+            return
+        try:
+            with open(path, "r+b") as f:
+                for block in blocks:
+                    f.write(block)
+        except OSError as exc:
+            send_message(conn, {"error": f"shm: {exc}"})
+        else:
+            send_message(conn, {"ok": True})
+
+    def close(self) -> None:
+        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone leaves it listening)
+        self.sock.close()
+
+
+# --- the two halves --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class P2PConnectorMeta:
+    """One step's transfers, as plain data (it is sent to the worker processes)."""
+
+    # (request_id, ((block_id, block_hash), ...)): pull the hashes' blocks from the producer into these blocks
+    loads: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
+    # (request_id, block_id, block_hash): keep the block for consumers
+    saves: tuple[tuple[str, int, int], ...] = ()
+
+
+class P2PScheduler(KVConnectorScheduler):
+    load_async = True
+
+    def __init__(self, options: P2POptions | None, block_size: int) -> None:
+        super().__init__(options or P2POptions(), block_size)
+        self._peer: socket.socket | None = None
+        self._matched: dict[str, tuple[int, list[int]]] = {}  # request -> (first block index, hashes held)
+        self._save_hashes: dict[str, tuple[list[int], int]] = {}  # request -> (its prompt's chain, prompt end)
+        self._next_save: dict[str, int] = {}
+        self._loads: list[tuple[str, tuple[tuple[int, int], ...]]] = []
+        self._saves: dict[int, tuple[str, int]] = {}  # hash -> (request, block id): once per step
+
+    def _ask(self, header: dict[str, Any]) -> dict[str, Any]:
+        """One request on the side channel; the kept connection may have gone stale (a producer restart): once more."""
+        try:
+            return self._request(header)
+        except OSError:
+            return self._request(header)
+
+    def _request(self, header: dict[str, Any]) -> dict[str, Any]:
+        try:
+            if self._peer is None:
+                self._peer = _connect(self.options.peer, self.options.timeout)
+            send_message(self._peer, header)
+            return recv_message(self._peer)[0]
+        except OSError:
+            if self._peer is not None:
+                self._peer.close()
+                self._peer = None
+            raise
+
+    def get_num_new_matched_tokens(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> int:
+        self._matched.pop(request_id, None)
+        if self.options.role == "producer" or self.options.peer is None or num_computed_tokens % self.block_size:
+            return 0
+        first = num_computed_tokens // self.block_size
+        wanted = prefix_hashes(token_ids, self.block_size)[first:]
+        if not wanted:
+            return 0
+        try:
+            count = int(self._ask({"op": "have", "hashes": wanted})["count"])
+        except (OSError, KeyError, ValueError) as exc:  # an unreachable producer is a miss
+            log.warning("KV connector p2p: cannot reach the producer at %s: %s", self.options.peer, exc)
+            return 0
+        if not count:
+            return 0
+        self._matched[request_id] = (first, wanted[:count])
+        return min((first + count) * self.block_size, len(token_ids) - 1) - num_computed_tokens
+
+    def update_state_after_alloc(self, request_id: str, block_ids: list[int], num_external_tokens: int) -> None:
+        first, found = self._matched.pop(request_id, (0, []))
+        count = -(-num_external_tokens // self.block_size)  # the last block may be partial
+        if count:
+            self._loads.append((request_id, tuple((block_ids[first + i], h) for i, h in enumerate(found[:count]))))
+
+    def request_computed(
+        self, request_id: str, token_ids: Sequence[int], block_ids: list[int], num_computed_tokens: int
+    ) -> None:
+        if self.options.role == "consumer":
+            return
+        # The chain of the prompt as first scheduled: the blocks a consumer of this prompt asks for.
+        hashes, end = self._save_hashes.setdefault(
+            request_id, (prefix_hashes(token_ids, self.block_size), len(token_ids) - 1)
+        )
+        i = self._next_save.get(request_id, 0)
+        while i < len(hashes) and num_computed_tokens >= min((i + 1) * self.block_size, end):
+            self._saves.setdefault(hashes[i], (request_id, block_ids[i]))
+            i += 1
+        self._next_save[request_id] = i
+
+    def build_connector_meta(self) -> P2PConnectorMeta:
+        meta = P2PConnectorMeta(loads=tuple(self._loads), saves=tuple((r, b, h) for h, (r, b) in self._saves.items()))
+        self._loads, self._saves = [], {}
+        return meta
+
+    def request_finished(self, request_id: str, block_ids: list[int]) -> bool:
+        for state in (self._matched, self._save_hashes, self._next_save):
+            state.pop(request_id, None)
+        self._loads = [load for load in self._loads if load[0] != request_id]
+        self._saves = {h: save for h, save in self._saves.items() if save[0] != request_id}
+        return False  # saved blocks are copied into the buffer within their step: nothing to hold
+
+
+@dataclass
+class _Pull:
+    blocks: tuple[tuple[int, int], ...]
+    future: Future
+    start: float
+
+
+class P2PWorker(KVConnectorWorker):
+    def __init__(self, options: P2POptions | None) -> None:
+        super().__init__(options or P2POptions())
+        self.kv_caches: list[torch.Tensor] = []
+        self.server: SideChannel | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pulls: dict[str, _Pull] = {}
+        self._saved = SavedBlocks()
+        self._report = KVTransferReport()
+        self._shm = self.options.transport != "tcp"  # "auto" drops it for good once the producer cannot use it
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        self.layout = [[list(c[:, 0].shape), str(c.dtype)] for c in kv_caches]
+        self.block_bytes = sum(c[:, 0].nbytes for c in kv_caches)
+        if self.options.role != "consumer":
+            self.server = SideChannel(
+                self.options.host, self.options.port, BlockBuffer(self.options.buffer_mb << 20), self.layout
+            )
+            log.info("KV connector p2p: side channel on %s:%d", self.options.host, self.server.port)
+        if self.options.role != "producer" and self.options.peer is not None:
+            self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fw-kv-p2p-pull")
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- consumer ---
+
+    def start_load_kv(self, meta: P2PConnectorMeta) -> None:
+        for request_id, blocks in meta.loads:  # only a consumer's scheduler asks for loads: it has a pool
+            future = self._pool.submit(self._pull, [h for _, h in blocks])
+            self._pulls[request_id] = _Pull(blocks, future, time.monotonic())
+
+    def _pull(self, hashes: list[int]) -> bytearray:
+        """The blocks' bytes, in order (runs in a pool thread; never touches the KV cache)."""
+        with _connect(self.options.peer, self.options.timeout) as sock:
+            send_message(sock, {"op": "hello", "host": host_id()})
+            hello, _ = recv_message(sock)
+            if hello["layout"] != self.layout:
+                raise RuntimeError(f"the producer's KV blocks are laid out as {hello['layout']}, ours as {self.layout}")
+            nbytes = len(hashes) * self.block_bytes
+            same_host = hello["host"] == host_id() and SHM_DIR.is_dir()
+            if self._shm and (same_host or self.options.transport == "shm"):
+                data = self._pull_shm(sock, hashes, nbytes)
+                if data is not None:
+                    return data
+            send_message(sock, {"op": "get", "hashes": hashes})
+            reply, data = recv_message(sock)
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        if len(data) != nbytes:
+            raise RuntimeError(f"the producer sent {len(data)} bytes for {len(hashes)} blocks of {self.block_bytes}")
+        return data
+
+    def _pull_shm(self, sock: socket.socket, hashes: list[int], nbytes: int) -> bytearray | None:
+        """Through a /dev/shm file the producer writes; None when it cannot (then TCP, unless shm was asked for)."""
+        fd, path = tempfile.mkstemp(dir=SHM_DIR, prefix=SHM_PREFIX)
+        try:
+            os.ftruncate(fd, nbytes)
+            send_message(sock, {"op": "get", "hashes": hashes, "shm": os.path.basename(path)})
+            reply, _ = recv_message(sock)
+            if "error" not in reply:
+                data = bytearray(nbytes)
+                with os.fdopen(os.dup(fd), "rb") as f:
+                    if f.readinto(data) != nbytes:
+                        raise RuntimeError("the shared-memory file is shorter than the blocks")
+                return data
+            if not reply["error"].startswith("shm:") or self.options.transport == "shm":
+                raise RuntimeError(reply["error"])
+            log.info("KV connector p2p: the producer cannot use shared memory (%s); using TCP", reply["error"])
+            self._shm = False
+            return None
+        finally:
+            os.close(fd)
+            os.unlink(path)
+
+    def get_finished(self) -> KVTransferReport:
+        report, self._report = self._report, KVTransferReport()
+        now = time.monotonic()
+        for request_id, pull in list(self._pulls.items()):
+            if pull.future.done():
+                del self._pulls[request_id]
+                try:
+                    self._copy_in(pull.blocks, pull.future.result())
+                except Exception as exc:  # noqa: BLE001 - any failure is a miss: the engine computes the tokens
+                    log.warning("KV connector p2p: request %s computes its prompt: %s", request_id, exc)
+                    report.failed.add(request_id)
+                    continue
+                report.loaded.add(request_id)
+                report.bytes_loaded += len(pull.blocks) * self.block_bytes
+                report.seconds += now - pull.start
+            elif now - pull.start > self.options.timeout:
+                # The pull thread writes no cache, so abandoning it is safe; its socket times out on its own.
+                del self._pulls[request_id]
+                log.warning("KV connector p2p: request %s: no KV after %.1f s; computing it", request_id, self.options.timeout)
+                report.failed.add(request_id)
+        return report
+
+    def _copy_in(self, blocks: tuple[tuple[int, int], ...], data: bytearray) -> None:
+        offset = 0
+        for block_id, _ in blocks:
+            for cache in self.kv_caches:
+                dst = cache[:, block_id]
+                src = torch.frombuffer(data, dtype=torch.uint8, count=dst.nbytes, offset=offset)
+                dst.copy_(src.view(dst.dtype).view(dst.shape))
+                offset += dst.nbytes
+
+    # --- producer ---
+
+    def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, meta: P2PConnectorMeta) -> None:
+        if meta.saves and self.server is not None:
+            self._saved.gather(layer_idx, kv_cache, [block_id for _, block_id, _ in meta.saves], meta.saves)
+
+    def wait_for_save(self) -> None:
+        start = time.perf_counter()
+        on_host, saves = self._saved.take(len(self.kv_caches))
+        for j, (_, _, block_hash) in enumerate(saves):
+            data = b"".join(t[:, j].contiguous().view(torch.uint8).numpy().tobytes() for t in on_host)
+            self.server.buffer.put(block_hash, data)
+            self._report.bytes_saved += len(data)
+        self._report.seconds += time.perf_counter() - start
+
+
+KV_CONNECTOR = KVConnector(scheduler=P2PScheduler, worker=P2PWorker)

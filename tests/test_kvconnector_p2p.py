@@ -1,0 +1,211 @@
+"""The p2p KV connector: the conformance suite over TCP and shared memory, then a prefill engine and a decode engine."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from conftest import free_port, fw_serve, metric_values
+from fw import LLM, SamplingParams
+from fw.testing.conformance import KVConnectorConformance
+from fw.testing.models import make_tiny_model
+from fw_kvconnector_p2p import connector as p2p
+
+
+class P2PConformance(KVConnectorConformance):
+    plugin = "p2p"
+
+    def connector_options(self, role, tmp_path):
+        if not hasattr(self, "port"):  # one producer port per test (pytest makes an instance per test)
+            self.port = free_port()
+        side = {"port": self.port} if role == "producer" else {"peer": f"127.0.0.1:{self.port}"}
+        return {**super().connector_options(role, tmp_path), **self.options, **side}
+
+
+class TestP2PTCP(P2PConformance):
+    options = {"transport": "tcp"}
+
+
+class TestP2PSharedMemory(P2PConformance):
+    options = {"transport": "shm"}
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# 64 shared tokens, then each prompt's own; every length but the first ends in a partial block.
+PROMPTS = [{"prompt_token_ids": list(range(3, 67)) + tail} for tail in ([90], [91, 92, 93, 94, 95], list(range(5, 40)))]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("p2p") / "llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return [o.outputs[0].token_ids for o in LLM(model, num_kv_blocks=64).generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def p2p_llm(model, prefix_caching=True, **options):
+    return LLM(model, num_kv_blocks=64, kv_connector="p2p", plugin_options={"kv_connector": options},
+               enable_prefix_caching=prefix_caching)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "auto"])
+def test_decode_engine_computes_only_the_last_prompt_token(model, reference, transport, monkeypatch):
+    pulls = []  # per pull through shared memory: whether it worked
+
+    def pull_shm(self, *args, _real=p2p.P2PWorker._pull_shm):
+        data = _real(self, *args)
+        pulls.append(data is not None)
+        return data
+
+    monkeypatch.setattr(p2p.P2PWorker, "_pull_shm", pull_shm)
+    port = free_port()
+    producer = p2p_llm(model, role="producer", port=port)
+    prefill = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)  # what a router asks a prefill instance
+    assert [o.outputs[0].token_ids for o in producer.generate(PROMPTS, prefill, use_tqdm=False)] == [
+        r[:1] for r in reference
+    ]
+    consumer = p2p_llm(model, role="consumer", peer=f"127.0.0.1:{port}", transport=transport, prefix_caching=False)
+    outputs = consumer.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    # Every prompt token but the last came from the producer.
+    assert [o.num_cached_tokens for o in outputs] == [len(p["prompt_token_ids"]) - 1 for p in PROMPTS]
+    stats = consumer.llm_engine.scheduler.connector_stats
+    assert stats.hits == sum(len(p["prompt_token_ids"]) - 1 for p in PROMPTS) and stats.failed_loads == 0
+    # auto: both engines are on this host, so shared memory, and it worked.
+    assert stats.bytes_loaded > 0 and pulls == ([True] * len(PROMPTS) if transport == "auto" else [])
+    assert consumer.llm_engine.kv.num_free_blocks() == 64
+
+
+def test_unreachable_or_forgetful_producer_means_recompute(model, reference):
+    port = free_port()
+    producer = p2p_llm(model, role="producer", port=port, buffer_mb=1)
+    producer.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    consumer = p2p_llm(model, role="consumer", peer=f"127.0.0.1:{port}", prefix_caching=False)
+    # The producer drops its blocks between the lookup and the pull: the load fails, the request computes.
+    buffer = producer.llm_engine.executor.runner.kv_connector.server.buffer
+    real_get = buffer.get
+    buffer.get = lambda hashes: None
+    outputs = consumer.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == reference[0] and outputs[0].num_cached_tokens == 0
+    assert consumer.llm_engine.scheduler.connector_stats.failed_loads == 1
+    buffer.get = real_get
+    producer.llm_engine.shutdown()  # gone: lookups miss
+    lonely = p2p_llm(model, role="consumer", peer=f"127.0.0.1:{port}", prefix_caching=False)
+    outputs = lonely.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == reference[0]
+    assert lonely.llm_engine.scheduler.connector_stats.hits == 0
+    assert lonely.llm_engine.kv.num_free_blocks() == consumer.llm_engine.kv.num_free_blocks() == 64
+
+
+def test_spec_is_light_and_checks_options():
+    import subprocess
+    import sys
+
+    from fw.plugins import get_spec
+
+    code = "import sys; from fw.plugins import get_spec; get_spec('kv_connector', 'p2p'); print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    spec = get_spec("kv_connector", "p2p")
+    with pytest.raises(ValueError, match="needs peer"):
+        spec.parse_options({"role": "consumer"})
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        spec.parse_options({"peer": "localhost"})
+    assert spec.parse_options({"role": "producer"}).transport == "auto"
+
+
+def test_fw_serve_prefill_and_decode_instances(model):
+
+
+    port = free_port()
+    prompt = PROMPTS[1]["prompt_token_ids"]
+    body = {"model": "tiny", "prompt": prompt, "temperature": 0, "ignore_eos": True}
+    serve = ("--model", str(model), "--served-model-name", "tiny", "--num-kv-blocks", "64", "--kv-connector", "p2p")
+    with fw_serve(*serve, "--plugin-option", "kv_connector.role=producer",
+                  "--plugin-option", f"kv_connector.port={port}") as (prefill, _):
+        first = httpx.post(f"{prefill}/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
+        assert first.status_code == 200, first.text
+        with fw_serve(*serve, "--plugin-option", "kv_connector.role=consumer",
+                      "--plugin-option", f"kv_connector.peer=127.0.0.1:{port}") as (decode, _):
+            resp = httpx.post(f"{decode}/v1/completions", json={**body, "max_tokens": 8}, timeout=60)
+            assert resp.status_code == 200, resp.text
+            metrics = metric_values(decode)
+        alone = httpx.post(f"{prefill}/v1/completions", json={**body, "max_tokens": 8}, timeout=60).json()
+    assert resp.json()["choices"][0]["text"] == alone["choices"][0]["text"]
+    # The decode instance computed the prompt's last token only.
+    assert metrics["fw:external_prefix_cache_hits_total"] == len(prompt) - 1
+    assert metrics["fw:kv_load_failures_total"] == 0
+
+
+def test_buffer_drops_the_least_recently_used_and_the_side_channel_answers():
+    import socket
+
+    buffer = p2p.BlockBuffer(capacity=16)
+    buffer.put(1, b"a" * 8)
+    buffer.put(2, b"b" * 8)
+    assert buffer.count_prefix([1]) == 1  # touches 1: 2 is now the least recent
+    buffer.put(3, b"c" * 8)
+    assert buffer.count_prefix([1, 3]) == 2 and buffer.get([2]) is None
+    server = p2p.SideChannel("127.0.0.1", 0, buffer, [[[2, 4], "torch.float32"]])
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            p2p.send_message(sock, {"op": "have", "hashes": [1, 3, 2, 1]})
+            assert p2p.recv_message(sock)[0]["count"] == 2  # a prefix: nothing past the missing 2
+            p2p.send_message(sock, {"op": "get", "hashes": [3, 1]})
+            reply, payload = p2p.recv_message(sock)
+            assert reply["ok"] and payload == b"c" * 8 + b"a" * 8
+            # Only files a consumer made for a pull are written, never another /dev/shm file.
+            p2p.send_message(sock, {"op": "get", "hashes": [1], "shm": "victim"})
+            assert p2p.recv_message(sock)[0]["error"].startswith("shm:")
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def slow_pulls(monkeypatch):
+    """The producer answers each pull ``delay[0]`` seconds late."""
+    delay = [0.0]
+    real = p2p.SideChannel._answer
+
+    def answer(self, conn, header):
+        if header.get("op") == "get":
+            time.sleep(delay[0])
+        real(self, conn, header)
+
+    monkeypatch.setattr(p2p.SideChannel, "_answer", answer)
+    return delay
+
+
+def test_a_pull_past_its_timeout_is_computed_and_nothing_leaks(model, reference, slow_pulls):
+    port = free_port()
+    producer = p2p_llm(model, role="producer", port=port)
+    producer.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    slow_pulls[0] = 3.0
+    consumer = p2p_llm(model, role="consumer", peer=f"127.0.0.1:{port}", timeout=0.5, prefix_caching=False)
+    start = time.monotonic()
+    outputs = consumer.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 2.5  # did not wait for the late answer
+    assert outputs[0].outputs[0].token_ids == reference[0] and outputs[0].num_cached_tokens == 0
+    assert consumer.llm_engine.scheduler.connector_stats.failed_loads == 1
+    assert consumer.llm_engine.kv.num_free_blocks() == producer.llm_engine.kv.num_free_blocks() == 64
+
+
+def test_abort_during_a_pull_frees_the_blocks_once_the_pull_ends(model, slow_pulls):
+    port = free_port()
+    producer = p2p_llm(model, role="producer", port=port)
+    producer.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    slow_pulls[0] = 0.5
+    engine = p2p_llm(model, role="consumer", peer=f"127.0.0.1:{port}", prefix_caching=False).llm_engine
+    engine.add_request(PROMPTS[0], GREEDY, request_id="r")
+    engine.step()
+    assert "r" in engine.scheduler.waiting_for_kv
+    engine.abort_request("r")
+    assert engine.kv.num_free_blocks() < 64  # the pull may still land in them
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        engine.step()
+    assert engine.kv.num_free_blocks() == producer.llm_engine.kv.num_free_blocks() == 64
