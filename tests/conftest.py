@@ -76,13 +76,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def fw_serve(*args: str, env: dict[str, str] | None = None):
-    """A live `fw serve` on a free port: yields (base URL, process); ``process.log`` is its output so far."""
+def fw_serve(*args: str, env: dict[str, str] | None = None, command: str = "serve"):
+    """A live `fw serve` (or another serving ``command``: `fw router`) on a free port: yields (base URL, process);
+    ``process.log`` is its output so far."""
     port = free_port()
     # A file, not a pipe: the server logs every request and would block once a pipe nobody reads is full.
     with tempfile.NamedTemporaryFile("w+", prefix="fw-serve-", suffix=".log") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "fw_cli", "serve", "--port", str(port), *args],
+            [sys.executable, "-m", "fw_cli", command, "--port", str(port), *args],
             stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
         )
         proc.log = lambda: Path(log.name).read_text()

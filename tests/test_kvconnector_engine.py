@@ -239,14 +239,22 @@ def test_failed_async_load_is_recomputed(model, reference, memory):
 def test_blocks_stay_held_until_their_send_completes(model, memory):
     llm = memory_llm(model, send_steps=3)
     engine = llm.llm_engine
-    engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=1))
-    while not any(o.finished for o in engine.step()):
-        pass
-    (finished,) = [e for e in memory.EVENTS if e[0] == "finished"]
-    held = set(finished[2])
-    assert len(held) == 5 and engine.kv.num_free_blocks() == 64 - 5 and engine.has_unfinished_requests()
-    with pytest.raises(EngineError, match="already in use"):  # its blocks are still under its id
-        engine.add_request(PROMPTS[0], GREEDY, request_id=finished[1])
+    engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=1, n=2), request_id="a#b")
+    engine.add_request(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=1), request_id="x#y")
+    while len([e for e in memory.EVENTS if e[0] == "finished"]) < 3:
+        engine.step()
+    finished = {e[1]: e[2] for e in memory.EVENTS if e[0] == "finished"}
+    assert sorted(finished) == ["a#b#0", "a#b#1", "x#y"] and engine.has_unfinished_requests()
+    held = {block for blocks in finished.values() for block in blocks}  # a#b's sequences share their prompt's
+    assert engine.kv.num_free_blocks() == 64 - len(held)
+    # Blocks are held under these ids: neither a held id nor a held group's id can start again ...
+    for request_id in ("a#b", "a#b#0", "x#y"):
+        with pytest.raises(EngineError, match="already in use"):
+            engine.add_request(PROMPTS[0], GREEDY, request_id=request_id)
+    # ... but an id that only looks like one of theirs can.
+    for request_id, n in (("x", 1), ("x", 2), ("a", 1)):
+        engine.add_request(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=1, n=n), request_id=request_id)
+        engine.abort_request(request_id)
     steps = 0
     while engine.has_unfinished_requests():
         engine.step()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
 from conftest import free_port, fw_serve, metric_values
 from fw import LLM, SamplingParams
@@ -117,27 +119,52 @@ def test_spec_is_light_and_checks_options():
     assert spec.parse_options({"role": "producer"}).transport == "auto"
 
 
-def test_fw_serve_prefill_and_decode_instances(model):
+def test_router_in_front_of_prefill_and_decode_instances(model):
+    """32 concurrent requests through `fw router` to a prefill and a decode `fw serve` answer as one colocated
+    instance does, greedy and seeded; the decode instance computed only each prompt's last token."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 500, (int(n),), generator=gen).tolist() for n in torch.randint(20, 90, (32,), generator=gen)]
+    bodies = [{"model": "tiny", "prompt": p, "max_tokens": 8, "ignore_eos": True,
+               **({"temperature": 0} if i % 2 else {"temperature": 1.0, "seed": i})} for i, p in enumerate(prompts)]
 
+    def answers(base):
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            replies = list(pool.map(lambda b: httpx.post(f"{base}/v1/completions", json=b, timeout=120), bodies))
+        assert all(r.status_code == 200 for r in replies), [r.text for r in replies if r.status_code != 200]
+        return [r.json()["choices"][0]["text"] for r in replies]
 
+    serve = ("--model", str(model), "--served-model-name", "tiny", "--num-kv-blocks", "256")
+    with fw_serve(*serve) as (colocated, _):
+        expected = answers(colocated)
     port = free_port()
-    prompt = PROMPTS[1]["prompt_token_ids"]
-    body = {"model": "tiny", "prompt": prompt, "temperature": 0, "ignore_eos": True}
-    serve = ("--model", str(model), "--served-model-name", "tiny", "--num-kv-blocks", "64", "--kv-connector", "p2p")
-    with fw_serve(*serve, "--plugin-option", "kv_connector.role=producer",
-                  "--plugin-option", f"kv_connector.port={port}") as (prefill, _):
-        first = httpx.post(f"{prefill}/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
-        assert first.status_code == 200, first.text
-        with fw_serve(*serve, "--plugin-option", "kv_connector.role=consumer",
-                      "--plugin-option", f"kv_connector.peer=127.0.0.1:{port}") as (decode, _):
-            resp = httpx.post(f"{decode}/v1/completions", json={**body, "max_tokens": 8}, timeout=60)
-            assert resp.status_code == 200, resp.text
-            metrics = metric_values(decode)
-        alone = httpx.post(f"{prefill}/v1/completions", json={**body, "max_tokens": 8}, timeout=60).json()
-    assert resp.json()["choices"][0]["text"] == alone["choices"][0]["text"]
-    # The decode instance computed the prompt's last token only.
-    assert metrics["fw:external_prefix_cache_hits_total"] == len(prompt) - 1
+    producer = ("--kv-connector", "p2p", "--plugin-option", "kv_connector.role=producer",
+                "--plugin-option", f"kv_connector.port={port}")
+    consumer = ("--kv-connector", "p2p", "--plugin-option", "kv_connector.role=consumer",
+                "--plugin-option", f"kv_connector.peer=127.0.0.1:{port}")
+    with (fw_serve(*serve, *producer) as (prefill, _), fw_serve(*serve, *consumer) as (decode, _),
+          fw_serve("--prefill", prefill, "--decode", decode, command="router") as (router, _)):
+        got = answers(router)
+        metrics = metric_values(decode)
+    assert got == expected
+    assert metrics["fw:external_prefix_cache_hits_total"] == sum(len(p) - 1 for p in prompts)
     assert metrics["fw:kv_load_failures_total"] == 0
+
+
+def test_a_silent_producer_costs_one_wait_not_one_per_request():
+    import socket
+
+    from fw_kvconnector_p2p.spec import P2POptions
+
+    with socket.socket() as silent:  # connections complete (the backlog) but nothing ever answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        scheduler = p2p.P2PScheduler(P2POptions(role="consumer", peer=f"127.0.0.1:{port}", timeout=0.3), 16)
+        start = time.monotonic()
+        offers = [scheduler.get_num_new_matched_tokens(str(i), list(range(3, 43)), 0) for i in range(5)]
+        waited = time.monotonic() - start
+    assert offers == [0] * 5
+    assert waited < 1.0, waited  # one timeout (0.3 s); asking each time would take 5 x 0.3 s at least
 
 
 def test_buffer_drops_the_least_recently_used_and_the_side_channel_answers():

@@ -86,8 +86,7 @@ def test_prefill_one_token_then_decode_the_request(instances):
     assert answer.status_code == 200 and answer.json()["text"] == "d"
     [prefill], [decode] = p.calls, d.calls
     # The prefill computes the prompt and one token: nothing that would stream or lengthen it.
-    assert prefill["body"] == {"model": "m", "prompt": "hello", "max_tokens": 1, "temperature": 0,
-                               "kv_transfer_params": {"do_remote_decode": True}}
+    assert prefill["body"] == {"model": "m", "prompt": "hello", "max_tokens": 1, "temperature": 0}
     # The decode gets the request as the client sent it, with the prefill's transfer parameters.
     assert decode["body"] == {**PROMPT, "kv_transfer_params": {"from": "p"}}
     assert prefill["authorization"] == decode["authorization"] == "Bearer k"

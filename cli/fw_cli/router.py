@@ -97,8 +97,7 @@ class Router:
     async def prefill_step(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> httpx.Response | None:
         """Have a prefill instance compute the prompt. Returns its answer (a 4xx ends the request there), or None
         when no prefill instance answered."""
-        one_token = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
-        one_token.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        one_token = {k: v for k, v in body.items() if k not in PREFILL_DROPPED} | {"max_tokens": 1}
         for instance in self.prefill.order():
             try:
                 return await self._post(instance, path, one_token, headers)

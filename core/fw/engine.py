@@ -131,7 +131,9 @@ class LLMEngine:
         masks = self._token_masks(params)
         request_id = request_id or str(next(self._ids))
         # A finished request's blocks may still be held for the KV connector's send, under its sequence ids.
-        if request_id in self.groups or any(request_id in (h, h.rpartition("#")[0]) for h in self.scheduler.held):
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        held = self.scheduler.held
+        if request_id in self.groups or request_id in held.values() or any(s in held for s in seq_ids):
             raise EngineError(f"request id {request_id!r} is already in use")
         salt = prompt.get("cache_salt")
         metrics = new_metrics()
@@ -140,7 +142,7 @@ class LLMEngine:
             # Each sequence of a seeded request gets its own reproducible stream (seed + i, kept within 64 bits).
             seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
             seq_params = replace(params, n=1, seed=seed)
-            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            seq_id = seq_ids[i]
             try:
                 self.sampler.add_request(seq_id, seq_params, self.tokenizer)
             except ValueError as exc:

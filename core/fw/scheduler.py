@@ -87,8 +87,8 @@ class Scheduler:
         # Asynchronous loads in flight: request id -> (request, tokens it will have computed once loaded).
         self.waiting_for_kv: dict[str, tuple[Request, int]] = {}
         # Requests whose blocks only the worker's report frees: finished ones the connector still sends,
-        # and aborted ones with a load in flight (it may still write their blocks).
-        self.held: set[str] = set()
+        # and aborted ones with a load in flight (it may still write their blocks). Request id -> its group id.
+        self.held: dict[str, str] = {}
         self.recompute: set[str] = set()  # requests whose load failed: they skip the connector from now on
         self.connector_stats = KVConnectorStats()
         # Requests whose per-request preparation (e.g. grammar compilation) is still running wait, others pass.
@@ -270,8 +270,8 @@ class Scheduler:
         stats.bytes_loaded += report.bytes_loaded
         stats.bytes_saved += report.bytes_saved
         stats.seconds += report.seconds
-        for rid in (report.sent | report.loaded | report.failed) & self.held:
-            self.held.discard(rid)
+        for rid in (report.sent | report.loaded | report.failed) & self.held.keys():
+            del self.held[rid]
             self.kv.free(rid)
         for rid in report.loaded & self.waiting_for_kv.keys():
             request, computed = self.waiting_for_kv.pop(rid)
@@ -323,7 +323,7 @@ class Scheduler:
         """The request's blocks go back to the pool, once the connector no longer needs them."""
         rid = request.request_id
         if self.connector is not None and self.connector.request_finished(rid, self.kv.block_ids(rid)):
-            self.held.add(rid)
+            self.held[rid] = request.group_id
         else:
             self.kv.free(rid)
 
@@ -336,7 +336,7 @@ class Scheduler:
                 elif request in loading:
                     del self.waiting_for_kv[request_id]
                     self.connector.request_finished(request_id, self.kv.block_ids(request_id))
-                    self.held.add(request_id)  # the load may still write its blocks
+                    self.held[request_id] = request.group_id  # the load may still write its blocks
                 else:
                     self.waiting.remove(request)
                 if request_id not in self.held:

@@ -225,6 +225,7 @@ class P2PScheduler(KVConnectorScheduler):
     def __init__(self, options: P2POptions | None, block_size: int) -> None:
         super().__init__(options or P2POptions(), block_size)
         self._peer: socket.socket | None = None
+        self._down_until = 0.0  # time.monotonic() before which the producer is not asked (it failed to answer)
         self._matched: dict[str, tuple[int, list[int]]] = {}  # request -> (first block index, hashes held)
         self._save_hashes: dict[str, tuple[list[int], int]] = {}  # request -> (its prompt's chain, prompt end)
         self._next_save: dict[str, int] = {}
@@ -232,11 +233,22 @@ class P2PScheduler(KVConnectorScheduler):
         self._saves: dict[int, tuple[str, int]] = {}  # hash -> (request, block id): once per step
 
     def _ask(self, header: dict[str, Any]) -> dict[str, Any]:
-        """One request on the side channel; the kept connection may have gone stale (a producer restart): once more."""
+        """One request on the side channel. A kept connection may have gone stale (a producer restart): then once
+        more on a new one. After a failure the producer counts as down for ``timeout`` seconds: lookups run on the
+        scheduler's thread, and a silent producer must cost one admission a wait, not every admission."""
+        if time.monotonic() < self._down_until:
+            raise ConnectionError(f"the producer did not answer in the last {self.options.timeout:g} s")
+        kept = self._peer is not None
         try:
-            return self._request(header)
+            try:
+                return self._request(header)
+            except OSError as exc:
+                if not kept or isinstance(exc, TimeoutError):
+                    raise
+                return self._request(header)
         except OSError:
-            return self._request(header)
+            self._down_until = time.monotonic() + self.options.timeout
+            raise
 
     def _request(self, header: dict[str, Any]) -> dict[str, Any]:
         try:
