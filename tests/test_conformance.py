@@ -106,5 +106,11 @@ class TestDiskKVConnector(KVConnectorConformance):
 class TestDefaultSampler(SamplerConformance):
     plugin = "default"
     def connector_options(self, role, tmp_path):
+    def connector_options(self, role, tmp_path):
+        return {**super().connector_options(role, tmp_path), "path": str(tmp_path)}
+
+
+class TestOffloadKVConnector(KVConnectorConformance):
+    plugin = "offload"
         return {**super().connector_options(role, tmp_path), "path": str(tmp_path)}
 
