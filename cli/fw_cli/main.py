@@ -240,22 +240,25 @@ def serve(resolved: ResolvedConfig) -> None:
     MODEL is the model path, as --model (vLLM's `vllm serve MODEL`).
     """
     from fw.async_engine import AsyncEngine
+    from fw.data_parallel import DataParallelEngine
     from fw.engine import EngineError, LLMEngine
     from fw.generation_config import sampling_defaults
     from fw.model_loader import ModelLoadError
     from fw_cli.server.app import Server, run
 
     config = resolved.config
+    replicas = config.parallel.data_parallel_size
     try:
-        engine = LLMEngine(config)
+        engine = DataParallelEngine(config) if replicas > 1 else AsyncEngine(LLMEngine(config))
     except (EngineError, ModelLoadError, plugins.PluginError) as exc:
         raise click.ClickException(str(exc)) from None
     model = config.model.model
     name = config.server.served_model_name or (Path(model).stem if Path(model).is_file() else model)
     defaults = sampling_defaults(config.model)
-    server = Server(AsyncEngine(engine), name, config.server, defaults)
+    server = Server(engine, name, config.server, defaults)
     host, port = config.server.host, config.server.port
-    click.echo(f"fw serve: model {name!r} ({model}), max_model_len {engine.max_model_len}", err=True)
+    click.echo(f"fw serve: model {name!r} ({model}), max_model_len {engine.engine.max_model_len}"
+               + (f", {replicas} data-parallel replicas" if replicas > 1 else ""), err=True)
     if defaults:
         click.echo(f"fw serve: sampling defaults from the model's generation config: {defaults} "
                    "(--generation-config vllm ignores them)", err=True)

@@ -30,7 +30,7 @@ from fw.sampling_params import SamplingParams
 log = logging.getLogger("fw")
 
 
-class _Outbox:
+class Outbox:
     """A caller's unread outputs, on its event loop: only the newest per request, since an output holds all so
     far (a slow reader holds one output per request, not one per step). An error is never replaced."""
 
@@ -56,7 +56,7 @@ class AsyncEngine:
         self.engine = engine
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         # Request id -> where its outputs go: the caller's loop, its outbox, the request's index in its batch.
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Outbox, int]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, Outbox, int]] = {}
         self._running = True
         self._thread = threading.Thread(target=self._loop, name="fw-engine", daemon=True)
         self._thread.start()
@@ -140,7 +140,7 @@ class AsyncEngine:
         and a request the engine refuses fails them all before any output; so does one the engine fails later
         (raising its error: an EngineError when the request's input is to blame).
         """
-        loop, outbox = asyncio.get_running_loop(), _Outbox()
+        loop, outbox = asyncio.get_running_loop(), Outbox()
         ids = [request_id for _prompt, _params, request_id, _priority in requests]
 
         def admit() -> None:

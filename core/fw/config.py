@@ -252,6 +252,15 @@ def config_class() -> type[FwConfig]:
     return create_model("FwConfig", __base__=FwConfig, **extra)
 
 
+def picklable(config: FwConfig) -> dict[str, Any]:
+    """The configuration as plain data for another process (``config_class().model_validate`` rebuilds it), the
+    API key included: a dump masks secrets."""
+    data = config.model_dump(mode="json")
+    if config.server.api_key is not None:
+        data["server"]["api_key"] = config.server.api_key.get_secret_value()
+    return data
+
+
 def cli_options(sections: tuple[str, ...] = ENGINE_SECTIONS) -> list[CliOption]:
     """Flags for the given core sections, the plugin slots, and hooks plugins' contributions."""
     out = []

@@ -51,6 +51,11 @@ def _eos_token_ids(model_path: str, hf_config: dict) -> list[int]:
 
 class LLMEngine:
     def __init__(self, config: FwConfig) -> None:
+        if config.parallel.data_parallel_size > 1:
+            raise EngineError(
+                f"--data-parallel-size {config.parallel.data_parallel_size}: an engine is one replica; "
+                "fw serve runs several (fw.data_parallel)"
+            )
         self.config = config
         device = detect(config.model.device)
         plugins.configure(config)

@@ -193,7 +193,12 @@ def _not_implemented(config: FwConfig) -> list[str]:
     refused = [
         (parallel.pipeline_parallel_size != 1,
          f"--pipeline-parallel-size (-pp) {parallel.pipeline_parallel_size}: pipeline parallelism"),
-        (parallel.data_parallel_size != 1, f"--data-parallel-size (-dp) {parallel.data_parallel_size}: data parallelism"),
+        # Each replica is a one-process engine; replicas of several processes, or stepping in lockstep, are not.
+        (parallel.data_parallel_size > 1
+         and (parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1),
+         f"--data-parallel-size (-dp) {parallel.data_parallel_size} with tensor or pipeline parallelism"),
+        (parallel.data_parallel_size > 1 and connector is not None,
+         f"--data-parallel-size (-dp) {parallel.data_parallel_size} with --kv-connector {connector}"),
         # The engine reads the connector's transfer reports from rank 0 alone.
         (connector is not None and parallel.tensor_parallel_size > 1,
          f"--kv-connector {connector} with --tensor-parallel-size {parallel.tensor_parallel_size}: "

@@ -7,6 +7,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from fw.data_parallel import FrontInfo, Replica
 from fw.engine import LLMEngine
 from fw.outputs import RequestOutput
 
@@ -53,10 +54,41 @@ class _EngineState:
                                   value=stats.failed_loads)
 
 
+class _ReplicaStates:
+    """``-dp N``: each replica's state as it last reported it, labelled ``engine`` as vLLM labels its engines, and
+    the requests routed to each."""
+
+    def __init__(self, replicas: list[Replica]) -> None:
+        self.replicas = replicas
+
+    def collect(self):
+        families = [
+            (GaugeMetricFamily, "fw:num_requests_running", "Requests in the running batch.", "running"),
+            (GaugeMetricFamily, "fw:num_requests_waiting", "Requests waiting to be scheduled (or for their KV to arrive).",
+             "waiting"),
+            (GaugeMetricFamily, "fw:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+             "kv_cache_usage"),
+            (CounterMetricFamily, "fw:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             "prefix_cache_queries"),
+            (CounterMetricFamily, "fw:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             "prefix_cache_hits"),
+        ]
+        for kind, name, doc, field in families:
+            family = kind(name, doc, labels=["engine"])
+            for replica in self.replicas:
+                family.add_metric([str(replica.rank)], getattr(replica.stats, field))
+            yield family
+        routed = CounterMetricFamily("fw:requests_routed", "Requests the server sent to each data-parallel replica.",
+                                     labels=["engine"])
+        for replica in self.replicas:
+            routed.add_metric([str(replica.rank)], replica.routed)
+        yield routed
+
+
 class Metrics:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine | FrontInfo) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineState(engine))
+        self.registry.register(_ReplicaStates(engine.replicas) if isinstance(engine, FrontInfo) else _EngineState(engine))
         r = self.registry
         self.prompt_tokens = Counter("fw:prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter("fw:generation_tokens", "Tokens generated.", registry=r)

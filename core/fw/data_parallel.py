@@ -1,0 +1,279 @@
+"""Data parallelism behind one server: ``fw serve -dp N`` runs N engine replicas, each in its own process with
+its own scheduler and KV cache, and routes every request to one of them.
+
+The server talks to a ``DataParallelEngine`` as it talks to one ``AsyncEngine`` (``generate_many``,
+``shutdown``). Each replica process runs an ``AsyncEngine`` over its own ``LLMEngine`` (on a GPU machine, device
+``cuda:<replica>``), so a request that fails a step fails there exactly as with one engine; the front forwards
+requests, outputs and aborts over a pipe per replica.
+
+Routing: the replica that holds the longest cached prefix of the prompt, as far as the front remembers the prompts
+it sent there (their block hashes, chained as the prefix cache chains them), unless it carries more than
+``BALANCE`` requests above the least loaded replica; otherwise, and for a prompt no replica has seen, the least
+loaded. Each replica reports its queues, KV-cache use and prefix-cache counts every ``STATS_INTERVAL_S``; /metrics
+shows them per replica (label ``engine``, as vLLM does), with the requests routed to each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fw.async_engine import AsyncEngine, Outbox
+from fw.config import FwConfig, config_class, picklable
+from fw.engine import EngineError, LLMEngine
+from fw.inputs import PromptType
+from fw.kv_cache import hash_block_tokens
+from fw.outputs import RequestOutput
+from fw.sampling_params import SamplingParams
+
+log = logging.getLogger("fw")
+
+BALANCE = 4  # requests in flight a cache-warm replica may carry above the least loaded one and still be chosen
+REMEMBERED_BLOCKS = 1 << 16  # per replica: block hashes of the prompts routed there, least recent forgotten
+STATS_INTERVAL_S = 0.5
+START_TIMEOUT_S = 600.0
+
+
+@dataclass
+class ReplicaStats:
+    """What a replica reports of itself."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+def _snapshot(engine: LLMEngine) -> ReplicaStats:
+    sched, kv = engine.scheduler, engine.kv
+    return ReplicaStats(len(sched.running), len(sched.waiting) + len(sched.waiting_for_kv), kv.usage(),
+                        kv.prefix_cache_queries, kv.prefix_cache_hits)
+
+
+# --- the replica process ----------------------------------------------------------------------------------------
+
+
+def _replica_main(rank: int, config_data: dict, conn: Any) -> None:
+    config = config_class().model_validate(config_data)
+    if torch.cuda.is_available() and config.model.device in ("auto", "cuda"):
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    try:
+        engine = LLMEngine(config)
+    except Exception as exc:  # noqa: BLE001 - reported to the front, which fails the start with it
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", engine.tokenizer, engine.vocab_size, engine.max_model_len))
+    asyncio.run(_serve(AsyncEngine(engine), conn))
+
+
+async def _serve(engine: AsyncEngine, conn: Any) -> None:
+    """Run the front's commands: ("add", key, requests), ("abort", key), ("shutdown",)."""
+    loop = asyncio.get_running_loop()
+    commands: asyncio.Queue = asyncio.Queue()
+
+    def read() -> None:
+        try:
+            while True:
+                message = conn.recv()
+                loop.call_soon_threadsafe(commands.put_nowait, message)
+        except (EOFError, OSError):  # the front is gone
+            loop.call_soon_threadsafe(commands.put_nowait, ("shutdown",))
+
+    threading.Thread(target=read, name="fw-replica-commands", daemon=True).start()
+    tasks: dict[int, asyncio.Task] = {}
+
+    async def run(key: int, requests: list) -> None:
+        try:
+            async for index, output in engine.generate_many(requests):
+                conn.send(("output", key, index, output))
+        except Exception as exc:  # noqa: BLE001 - the front raises it to the caller
+            conn.send(("error", key, exc))
+        finally:
+            tasks.pop(key, None)
+
+    async def report() -> None:
+        while True:
+            conn.send(("stats", await engine.run(_snapshot)))
+            await asyncio.sleep(STATS_INTERVAL_S)
+
+    reporter = asyncio.create_task(report())
+    while (command := await commands.get())[0] != "shutdown":
+        if command[0] == "add":
+            tasks[command[1]] = asyncio.create_task(run(command[1], command[2]))
+        elif command[0] == "abort" and command[1] in tasks:
+            tasks[command[1]].cancel()  # generate_many's own clean-up aborts the requests
+    reporter.cancel()
+    for task in list(tasks.values()):
+        task.cancel()
+    await asyncio.gather(reporter, *tasks.values(), return_exceptions=True)
+    engine.shutdown()
+
+
+# --- the front ----------------------------------------------------------------------------------------------------
+
+
+class Replica:
+    """The front's view of one replica: its pipe, load, reports and the prompts it was sent."""
+
+    def __init__(self, rank: int, process: mp.Process, conn: Any) -> None:
+        self.rank, self.process, self.conn = rank, process, conn
+        self.alive = True
+        self.in_flight = 0  # generate_many calls routed here and not finished
+        self.routed = 0  # requests routed here, ever
+        self.keys: set[int] = set()  # the generate_many calls it runs
+        self.stats = ReplicaStats()
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self._send_lock = threading.Lock()
+
+    def send(self, message: tuple) -> None:
+        with self._send_lock:  # event loop threads of several servers' callers
+            self.conn.send(message)
+
+    def matched(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of a prompt this replica was sent before."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self.blocks:
+            n += 1
+        return n
+
+    def remember(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self.blocks[h] = None
+            self.blocks.move_to_end(h)
+        while len(self.blocks) > REMEMBERED_BLOCKS:
+            self.blocks.popitem(last=False)
+
+
+def prompt_block_hashes(prompt: PromptType, block_size: int) -> list[int]:
+    """The full blocks of a token prompt, chained as the prefix cache chains them (none for a text prompt)."""
+    if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
+        return []
+    ids, salt = prompt["prompt_token_ids"], prompt.get("cache_salt")
+    parent, out = None, []
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, ids[start : start + block_size], (salt,) if salt else ())
+        out.append(parent)
+    return out
+
+
+class FrontInfo:
+    """What the server reads of "the engine": the replicas' tokenizer and limits, and whether any works."""
+
+    def __init__(self, front: DataParallelEngine, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
+        self.front, self.tokenizer, self.vocab_size, self.max_model_len = front, tokenizer, vocab_size, max_model_len
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return self.front.replicas
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.in_flight for r in self.front.replicas)
+
+
+class DataParallelEngine:
+    def __init__(self, config: FwConfig) -> None:
+        n = config.parallel.data_parallel_size
+        data = picklable(config)
+        data["parallel"]["data_parallel_size"] = 1  # each replica is a plain engine
+        self.block_size = config.cache.block_size
+        ctx = mp.get_context("spawn")
+        self.replicas: list[Replica] = []
+        for rank in range(n):
+            ours, theirs = ctx.Pipe()
+            process = ctx.Process(target=_replica_main, args=(rank, data, theirs), name=f"fw-dp-{rank}", daemon=True)
+            process.start()
+            self.replicas.append(Replica(rank, process, ours))
+        ready = []
+        for replica in self.replicas:
+            message = replica.conn.recv() if replica.conn.poll(START_TIMEOUT_S) else ("failed", "no answer")
+            if message[0] != "ready":
+                self.shutdown()
+                raise EngineError(f"data-parallel replica {replica.rank} did not start: {message[1]}")
+            ready.append(message)
+        self.engine = FrontInfo(self, *ready[0][1:])
+        self._streams: dict[int, tuple[asyncio.AbstractEventLoop, Outbox]] = {}
+        self._keys = itertools.count()
+        for replica in self.replicas:
+            threading.Thread(target=self._read, args=(replica,), name=f"fw-dp-{replica.rank}-out", daemon=True).start()
+
+    def _read(self, replica: Replica) -> None:
+        """Deliver one replica's outputs and reports; if it dies, fail what it was running."""
+        try:
+            while True:
+                message = replica.conn.recv()
+                if message[0] == "stats":
+                    replica.stats = message[1]
+                    continue
+                # ("output", key, index, output) or ("error", key, exception)
+                index, item = (message[2], message[3]) if message[0] == "output" else (-1, message[2])
+                self._deliver(message[1], index, item)
+        except (EOFError, OSError):
+            pass
+        replica.alive = False
+        log.error("data-parallel replica %d exited", replica.rank)
+        for key in list(replica.keys):
+            self._deliver(key, -1, EngineError(f"data-parallel replica {replica.rank} exited"))
+
+    def _deliver(self, key: int, index: int, item: RequestOutput | Exception) -> None:
+        target = self._streams.get(key)
+        if target is not None:
+            target[0].call_soon_threadsafe(target[1].put, index, item)
+
+    def pick(self, hashes: Sequence[int]) -> Replica:
+        alive = [r for r in self.replicas if r.alive]
+        if not alive:
+            raise EngineError("no data-parallel replica is running")
+        least = min(alive, key=lambda r: r.in_flight)
+        warm = max(alive, key=lambda r: (r.matched(hashes), -r.in_flight))
+        return warm if warm.matched(hashes) and warm.in_flight <= least.in_flight + BALANCE else least
+
+    async def generate_many(
+        self, requests: Sequence[tuple[PromptType, SamplingParams, str, int]]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """As ``AsyncEngine.generate_many``, on one replica: all of a call's requests share their prompts' fate."""
+        hashes = prompt_block_hashes(requests[0][0], self.block_size) if requests else []
+        replica = self.pick(hashes)
+        replica.remember(hashes)
+        loop, outbox = asyncio.get_running_loop(), Outbox()
+        key = next(self._keys)
+        self._streams[key] = (loop, outbox)
+        replica.keys.add(key)
+        replica.in_flight += 1
+        replica.routed += len(requests)
+        pending = set(range(len(requests)))
+        try:
+            replica.send(("add", key, list(requests)))
+            while pending:
+                for index, item in await outbox.take():
+                    if isinstance(item, Exception):
+                        raise item
+                    if item.finished:
+                        pending.discard(index)
+                    yield index, item
+        finally:
+            self._streams.pop(key, None)
+            replica.keys.discard(key)
+            replica.in_flight -= 1
+            if pending and replica.alive:
+                replica.send(("abort", key))
+
+    def shutdown(self) -> None:
+        for replica in self.replicas:
+            if replica.process.is_alive():
+                with contextlib.suppress(OSError):  # it is exiting on its own
+                    replica.send(("shutdown",))
+        for replica in self.replicas:
+            replica.process.join(timeout=30)
+            if replica.process.is_alive():
+                replica.process.kill()
