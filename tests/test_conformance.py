@@ -99,18 +99,20 @@ class TestTorchComm(CommConformance):
     plugin = "torch"
 
 
-class TestDiskKVConnector(KVConnectorConformance):
+class DirectoryConnector(KVConnectorConformance):
+    """Connectors that keep their store in a directory: the test's own, not the default under /tmp."""
+
+    def connector_options(self, role, tmp_path):
+        return {**super().connector_options(role, tmp_path), "path": str(tmp_path)}
+
+
+class TestDiskKVConnector(DirectoryConnector):
     plugin = "disk"
+
+
+class TestOffloadKVConnector(DirectoryConnector):
+    plugin = "offload"
 
 
 class TestDefaultSampler(SamplerConformance):
     plugin = "default"
-    def connector_options(self, role, tmp_path):
-    def connector_options(self, role, tmp_path):
-        return {**super().connector_options(role, tmp_path), "path": str(tmp_path)}
-
-
-class TestOffloadKVConnector(KVConnectorConformance):
-    plugin = "offload"
-        return {**super().connector_options(role, tmp_path), "path": str(tmp_path)}
-

@@ -507,7 +507,43 @@ class CommConformance(PluginConformance):
 
 
 class KVConnectorConformance(PluginConformance):
+    """Drives both halves as the engine does: a producer computes a prompt's KV, a fresh consumer loads it.
+
+    Override ``connector_options(role, tmp_path)`` to point both sides at one store or at each other.
+    """
+
     kind = "kv_connector"
+    BLOCK_SIZE: ClassVar[int] = 16
+    PROMPT: ClassVar[list[int]] = list(range(1000, 1040))  # two full blocks and a partial one
+    TIMEOUT: ClassVar[float] = 30.0  # seconds an asynchronous load or send may take
+
+    def connector_options(self, role: str, tmp_path: Path) -> dict[str, Any]:
+        """The options of one side (``role``: producer or consumer, set where the plugin has a role option);
+        both sides share ``tmp_path``."""
+        has_role = self.spec.options is not None and "role" in self.spec.options.model_fields
+        return {**self.options, "role": role} if has_role else dict(self.options)
+
+    def _halves(self, role: str, tmp_path: Path, caches: list[torch.Tensor]) -> tuple[Any, Any]:
+        pair = self.spec.load()
+        options = self.spec.parse_options(self.connector_options(role, tmp_path))
+        scheduler, worker = pair.scheduler(options, self.BLOCK_SIZE), pair.worker(options)
+        worker.register_kv_caches(caches)
+        return scheduler, worker
+
+    @staticmethod
+    def _step(scheduler: Any, worker: Any, computes: bool) -> kvconnector.KVTransferReport:
+        """One engine step on the worker side; one that computes nothing runs no layers (as the model runner)."""
+        meta = scheduler.build_connector_meta()
+        worker.start_load_kv(meta)
+        if computes:
+            for i, cache in enumerate(worker.kv_caches):
+                worker.wait_for_layer_load(i)
+                worker.save_kv_layer(i, cache, meta)
+        worker.wait_for_save()
+        return worker.get_finished()
+
+    def _caches(self, fill: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
+        return [fill(2, 8, self.BLOCK_SIZE, 2, 8) for _ in range(2)]  # the default layout, 8 blocks, 2 layers
 
     def test_both_halves_implement_the_interface(self) -> None:
         pair = self.spec.load()
@@ -556,43 +592,7 @@ class KVConnectorConformance(PluginConformance):
         untouched = [b for b in range(8) if b not in c_blocks[: -(-offered // bs)]]
         for after in consumed:
             assert not after[:, untouched].any()
-    """Drives both halves as the engine does: a producer computes a prompt's KV, a fresh consumer loads it.
 
-    Override ``connector_options(role, tmp_path)`` to point both sides at one store or at each other.
-    """
-
-
-    BLOCK_SIZE: ClassVar[int] = 16
-    PROMPT: ClassVar[list[int]] = list(range(1000, 1040))  # two full blocks and a partial one
-    TIMEOUT: ClassVar[float] = 30.0  # seconds an asynchronous load or send may take
-
-    def connector_options(self, role: str, tmp_path: Path) -> dict[str, Any]:
-        """The options of one side (``role``: producer or consumer, set where the plugin has a role option);
-        both sides share ``tmp_path``."""
-        has_role = self.spec.options is not None and "role" in self.spec.options.model_fields
-        return {**self.options, "role": role} if has_role else dict(self.options)
-
-    def _halves(self, role: str, tmp_path: Path, caches: list[torch.Tensor]) -> tuple[Any, Any]:
-        pair = self.spec.load()
-        options = self.spec.parse_options(self.connector_options(role, tmp_path))
-        scheduler, worker = pair.scheduler(options, self.BLOCK_SIZE), pair.worker(options)
-        worker.register_kv_caches(caches)
-        return scheduler, worker
-
-    @staticmethod
-    def _step(scheduler: Any, worker: Any, computes: bool) -> kvconnector.KVTransferReport:
-        """One engine step on the worker side; one that computes nothing runs no layers (as the model runner)."""
-        meta = scheduler.build_connector_meta()
-        worker.start_load_kv(meta)
-        if computes:
-            for i, cache in enumerate(worker.kv_caches):
-                worker.wait_for_layer_load(i)
-                worker.save_kv_layer(i, cache, meta)
-        worker.wait_for_save()
-        return worker.get_finished()
-
-    def _caches(self, fill: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
-        return [fill(2, 8, self.BLOCK_SIZE, 2, 8) for _ in range(2)]  # the default layout, 8 blocks, 2 layers
 
 class SamplerConformance(PluginConformance):
     kind = "sampler"
