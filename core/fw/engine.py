@@ -51,11 +51,6 @@ def _eos_token_ids(model_path: str, hf_config: dict) -> list[int]:
 
 class LLMEngine:
     def __init__(self, config: FwConfig) -> None:
-        if config.parallel.data_parallel_size > 1:
-            raise EngineError(
-                f"--data-parallel-size {config.parallel.data_parallel_size}: an engine is one replica; "
-                "fw serve runs several (fw.data_parallel)"
-            )
         self.config = config
         device = detect(config.model.device)
         plugins.configure(config)
@@ -63,6 +58,11 @@ class LLMEngine:
         result, hf_config = model.result, model.hf_config
         if not result.ok:
             raise EngineError(result.report())
+        if config.parallel.data_parallel_size > 1:
+            raise EngineError(
+                f"--data-parallel-size {config.parallel.data_parallel_size}: an engine is one replica; "
+                "fw serve runs several (fw.data_parallel)"
+            )
         self.hook = plugins.get_plugin_manager().hook
         eos_ids = _eos_token_ids(config.model.model, hf_config)
         self.tokenizer = model.quant.load_tokenizer(config.model.model) or Tokenizer.from_dir(

@@ -196,9 +196,11 @@ def _not_implemented(config: FwConfig) -> list[str]:
         # Each replica is a one-process engine; replicas of several processes, or stepping in lockstep, are not.
         (parallel.data_parallel_size > 1
          and (parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1),
-         f"--data-parallel-size (-dp) {parallel.data_parallel_size} with tensor or pipeline parallelism"),
+         f"--data-parallel-size (-dp) {parallel.data_parallel_size} with tensor or pipeline parallelism: "
+         "replicas of several processes each"),
         (parallel.data_parallel_size > 1 and connector is not None,
-         f"--data-parallel-size (-dp) {parallel.data_parallel_size} with --kv-connector {connector}"),
+         f"--data-parallel-size (-dp) {parallel.data_parallel_size} with --kv-connector {connector}: "
+         "a connector per replica"),
         # The engine reads the connector's transfer reports from rank 0 alone.
         (connector is not None and parallel.tensor_parallel_size > 1,
          f"--kv-connector {connector} with --tensor-parallel-size {parallel.tensor_parallel_size}: "
