@@ -99,6 +99,10 @@ class TestTorchComm(CommConformance):
     plugin = "torch"
 
 
+class TestDeepEPComm(CommConformance):
+    plugin = "deepep"
+
+
 class DirectoryConnector(KVConnectorConformance):
     """Connectors that keep their store in a directory: the test's own, not the default under /tmp."""
 

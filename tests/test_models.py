@@ -304,22 +304,26 @@ def test_resolve_dtype():
         resolve_dtype(HFConfig({"dtype": "int8"}))
 
 
-def _tp_worker(rank: int, init_method: str, paths: list, out_file) -> None:
-    from fw.distributed import ParallelLayout, init_tensor_parallel
+def _tp_worker(rank: int, init_method: str, paths: list, out_file, expert_parallel: bool, decode_steps: int) -> None:
+    from fw.distributed import ParallelLayout, destroy_parallel, init_parallel
+    from fw.layers.moe import FusedMoE
     from fw_comm_torch.communicator import TorchDistributed
 
     torch.set_num_threads(1)
-    init_tensor_parallel(TorchDistributed, rank, ParallelLayout(tensor_parallel_size=2), init_method, "cpu")
+    layout = ParallelLayout(tensor_parallel_size=2, expert_parallel=expert_parallel)
+    init_parallel(TorchDistributed, rank, layout, init_method, "cpu")
     try:
         results = []
         for path in paths:
             model = load_ours(path)
             assert model.lm_head.weight.shape[0] == VOCAB_SIZE // 2, "the vocabulary should be split over 2 ranks"
-            results.append(generate(model, torch.float32, prompts(), 3))
+            for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
+                assert moe.w13_weight.shape[0] == moe.num_experts // (2 if expert_parallel else 1), "expert sharding"
+            results.append(generate(model, torch.float32, prompts(), decode_steps))
         if rank == 0:
             torch.save(results, out_file)
     finally:
-        TorchDistributed.destroy_world()
+        destroy_parallel(TorchDistributed)
 
 
 @pytest.mark.slow
@@ -334,8 +338,9 @@ def test_tensor_parallel_2_matches_single_rank(checkpoint, tmp_path):
     assert_tp2_matches_single_rank(paths, tmp_path)
 
 
-def assert_tp2_matches_single_rank(paths, tmp_path):
-    """Each checkpoint on two gloo ranks: greedy tokens and logits equal the single-rank run's."""
+def assert_tp2_matches_single_rank(paths, tmp_path, expert_parallel=False, decode_steps=3):
+    """Each checkpoint on two gloo ranks (experts sharded whole with ``expert_parallel``): greedy tokens and logits
+    equal the single-rank run's."""
     pytest.importorskip("fw_comm_torch")
     import multiprocessing
     import socket
@@ -345,14 +350,15 @@ def assert_tp2_matches_single_rank(paths, tmp_path):
         init_method = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
     ctx = multiprocessing.get_context("spawn")
     out_file = tmp_path / "tp2.pt"
-    workers = [ctx.Process(target=_tp_worker, args=(rank, init_method, paths, out_file)) for rank in range(2)]
+    args = (init_method, paths, out_file, expert_parallel, decode_steps)
+    workers = [ctx.Process(target=_tp_worker, args=(rank, *args)) for rank in range(2)]
     for w in workers:
         w.start()
     for w in workers:
         w.join(timeout=120)
     assert [w.exitcode for w in workers] == [0, 0]
     for path, (fed, logits) in zip(paths, torch.load(out_file), strict=True):
-        single_fed, single_logits = generate(load_ours(path), torch.float32, prompts(), 3)
+        single_fed, single_logits = generate(load_ours(path), torch.float32, prompts(), decode_steps)
         assert fed == single_fed, path.name
         for rid in fed:
             assert (logits[rid] - single_logits[rid]).abs().max() < FP32_TOL, path.name

@@ -270,7 +270,8 @@ def test_allow_and_deny_lists(plain):
 @pytest.mark.parametrize(
     "flags, kwargs, named",
     [
-        (["-pp", "2"], {"pipeline_parallel_size": 2}, "--pipeline-parallel-size (-pp) 2"),
+        (["--kv-connector", "disk", "-pp", "2"], {"kv_connector": "disk", "pipeline_parallel_size": 2},
+         "--kv-connector disk with --pipeline-parallel-size 2"),
         (["-dp", "2", "-tp", "2"], {"data_parallel_size": 2, "tensor_parallel_size": 2},
          "--data-parallel-size (-dp) 2 with tensor or pipeline parallelism"),
         (["--kv-connector", "disk", "-tp", "2"], {"kv_connector": "disk", "tensor_parallel_size": 2},

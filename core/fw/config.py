@@ -105,8 +105,15 @@ class SchedulerSection(_Section):
 
 class ParallelSection(_Section):
     tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel worker processes.")
-    pipeline_parallel_size: int = Field(1, ge=1, description="Pipeline stages.")
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="Pipeline stages: the decoder layers split into contiguous runs, one per stage."
+    )
     data_parallel_size: int = Field(1, ge=1, description="Data-parallel replicas.")
+    enable_expert_parallel: bool = Field(
+        False,
+        description="Shard each MoE layer's experts over the tensor-parallel ranks (whole experts per rank, "
+        "tokens routed by the comm plugin's dispatch/combine) instead of splitting every expert's width.",
+    )
     distributed_timeout: float = Field(120.0, gt=0, description="Seconds to wait for collectives and workers.")
 
 

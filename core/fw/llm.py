@@ -192,5 +192,5 @@ class LLM:
 
     def __del__(self) -> None:
         engine = getattr(self, "llm_engine", None)
-        if engine is not None and engine.executor.group is not None:
+        if engine is not None and engine.executor.comm_cls is not None:
             engine.shutdown()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fw import model_registry
+from fw import distributed, model_registry
 from fw.config import FwConfig
 from fw.forward_context import set_forward_context
 from fw.interfaces.attention import AttentionBatch
@@ -45,10 +45,13 @@ class ModelRunner:
             for s in self.model.attention_specs()
         ]
         self.bytes_per_block = sum(spec.bytes_per_block for spec in self.kv_cache_specs)
-        self.num_blocks = self._num_blocks()
+        # Every rank allocates the same block ids the scheduler hands out: the smallest rank's count.
+        self.num_blocks = distributed.min_over_ranks(self._num_blocks())
         self.kv_caches = [
             torch.empty(spec.shape(self.num_blocks), dtype=spec.dtype, device=device) for spec in self.kv_cache_specs
         ]
+        # A pipeline stage holds a contiguous run of layers, whose attention finds its cache by layer number.
+        self.layer_caches = [None] * self.model.attention_specs()[0].layer_idx + self.kv_caches
         connector = selected.get("kv_connector")
         self.kv_connector = connector.load().worker(options.get("kv_connector")) if connector is not None else None
         if self.kv_connector is not None:
@@ -89,12 +92,25 @@ class ModelRunner:
             [torch.arange(c, c + n) for c, n in zip(inputs.num_computed, inputs.num_new, strict=True)]
         ).to(self.device)
         input_ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=self.device)
-        with set_forward_context(self.attention.prepare(batch), self.kv_caches, connector, inputs.kv_connector_meta):
+        with set_forward_context(self.attention.prepare(batch), self.layer_caches, connector, inputs.kv_connector_meta):
             hidden = self.model(input_ids, positions)
         if connector is not None:
             self._finish_kv_transfers()
-        rows = torch.tensor(inputs.logit_positions, dtype=torch.long, device=self.device)
+        return self._logits(hidden, inputs.logit_positions)
+
+    def _logits(self, hidden: torch.Tensor, logit_positions: list[int]) -> torch.Tensor:
+        """The last pipeline stage computes the logits and sends them to the first, whose rank 0 samples; a stage in
+        between returns none (an empty tensor)."""
+        pp = distributed.get_pp_group()
+        last = pp.world_size - 1
+        if pp.rank < last:
+            out = torch.empty(len(logit_positions) if pp.rank == 0 else 0, self.hf_config.vocab_size,
+                              dtype=torch.float32, device=self.device)
+            return pp.recv(out, last) if pp.rank == 0 else out
+        rows = torch.tensor(logit_positions, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         if logits.dtype != torch.float32:  # widening here would hide ties that rounding already made
             raise TypeError(f"{type(self.model).__name__}.compute_logits returned {logits.dtype}; logits must be float32")
+        if last:
+            pp.send(logits, 0)
         return logits

@@ -182,6 +182,8 @@ def check(
                 result.problems.append(f"{kind}.options: {_short(exc)}")
     _check_cross_slot(req, result)
     result.problems.extend(_not_implemented(config))
+    result.problems.extend(_expert_parallel_problems(config, hf_config))
+    result.problems.extend(_pipeline_parallel_problems(config, hf_config, result.selected.get("models")))
     for extra in plugins.get_plugin_manager().hook.fw_validate(config=config, requirements=req):
         result.problems.extend(extra or [])
     return result
@@ -191,13 +193,14 @@ def _not_implemented(config: FwConfig) -> list[str]:
     """Settings the configuration holds for later work: refused, never accepted and ignored."""
     parallel, connector = config.parallel, config.kv_connector.name
     refused = [
-        (parallel.pipeline_parallel_size != 1,
-         f"--pipeline-parallel-size (-pp) {parallel.pipeline_parallel_size}: pipeline parallelism"),
         # Each replica is a one-process engine; replicas of several processes, or stepping in lockstep, are not.
         (parallel.data_parallel_size > 1
          and (parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1),
          f"--data-parallel-size (-dp) {parallel.data_parallel_size} with tensor or pipeline parallelism: "
          "replicas of several processes each"),
+        (parallel.data_parallel_size > 1 and parallel.enable_expert_parallel,
+         f"--data-parallel-size (-dp) {parallel.data_parallel_size} with --enable-expert-parallel: "
+         "replicas stepping in lockstep"),
         (parallel.data_parallel_size > 1 and connector is not None,
          f"--data-parallel-size (-dp) {parallel.data_parallel_size} with --kv-connector {connector}: "
          "a connector per replica"),
@@ -210,6 +213,37 @@ def _not_implemented(config: FwConfig) -> list[str]:
          "a KV connector across pipeline stages"),
     ]
     return [f"{what} is not implemented yet" for given, what in refused if given]
+
+
+def _pipeline_parallel_problems(
+    config: FwConfig, hf_config: dict[str, Any] | None, model: plugins.PluginSpec | None
+) -> list[str]:
+    stages = config.parallel.pipeline_parallel_size
+    if stages == 1 or hf_config is None:
+        return []
+    if model is not None and "pipeline_parallel" not in model.capabilities.features:
+        return [f"--pipeline-parallel-size {stages}: model plugin {model.name!r} does not declare pipeline_parallel"]
+    layers = hf_config.get("num_hidden_layers", 0)
+    if layers < stages:
+        return [f"--pipeline-parallel-size {stages}: more stages than the model's {layers} layers"]
+    return []
+
+
+def _expert_parallel_problems(config: FwConfig, hf_config: dict[str, Any] | None) -> list[str]:
+    parallel = config.parallel
+    if not parallel.enable_expert_parallel:
+        return []
+    ranks = parallel.tensor_parallel_size  # with -dp, which _not_implemented refuses, the EP group spans TP x DP
+    if ranks == 1:
+        return ["--enable-expert-parallel needs more than one rank to shard experts over (--tensor-parallel-size 1)"]
+    if hf_config is None:
+        return []
+    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts") or hf_config.get("n_routed_experts")
+    if not experts:
+        return ["--enable-expert-parallel: the model has no routed experts"]
+    if experts % ranks:
+        return [f"--enable-expert-parallel: {experts} experts do not split evenly over {ranks} ranks"]
+    return []
 
 
 def _check_cross_slot(req: Requirements, result: CheckResult) -> None:

@@ -69,15 +69,17 @@ class Capabilities:
         out = []
         if req.device not in self.devices:
             out.append(f"needs device {' or '.join(sorted(self.devices))}, got {req.device}")
+        need = ".".join(map(str, self.min_compute_capability or ()))
         if (
             req.device == "cuda"
             and self.min_compute_capability
             and req.compute_capability
             and req.compute_capability < self.min_compute_capability
         ):
-            need = ".".join(map(str, self.min_compute_capability))
             have = ".".join(map(str, req.compute_capability))
             out.append(f"needs compute capability >= {need}, got {have}")
+        elif req.device != "cuda" and self.min_compute_capability:  # every reason, the GPU's kind included
+            out.append(f"needs a CUDA GPU of compute capability >= {need}")
         if req.num_devices < self.min_devices:
             out.append(f"needs at least {self.min_devices} devices, got {req.num_devices}")
         if req.dtype and req.dtype not in self.dtypes:

@@ -4,7 +4,9 @@ A comm plugin implements the collectives of one process group. The core
 builds the groups (tensor-, pipeline-, data- and expert-parallel) from the
 world layout and calls the group's methods from model layers. MoE expert
 parallelism uses ``dispatch`` / ``combine``; their default implementation is
-two ``all_to_all`` calls, which a specialised backend (DeepEP) replaces.
+built on ``all_to_all``, which a specialised backend (DeepEP) replaces. The
+core's own control messages (step inputs) never use these groups: they travel
+on a CPU gloo group of the same torch.distributed world.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ if TYPE_CHECKING:
     import torch
     from pydantic import BaseModel
 
-API_VERSION = 1
+# 2: dispatch carries the routing weights and returns a Dispatched, combine only sums; new_groups added. v1's
+# dispatch/combine were never called: adapt() gives a v1 plugin the default ones, built on its all_to_all.
+API_VERSION = 2
 
 OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast"})
 
@@ -32,14 +36,25 @@ class CommCapabilities(Capabilities):
 
 
 @dataclass
+class Dispatched:
+    """What ``dispatch`` delivered to this rank: each received token once, with its choices among this rank's
+    experts (local ids, -1 for a choice of another rank's expert, whose weight is 0), and ``handle``, what
+    ``combine`` needs to send the outputs back."""
+
+    hidden: torch.Tensor  # [R, H]
+    topk_ids: torch.Tensor  # [R, k], int64
+    topk_weights: torch.Tensor  # [R, k], float32
+    handle: Any
+
+
+@dataclass
 class DispatchHandle:
-    """What ``combine`` needs to route expert outputs back to their tokens."""
+    """The default ``dispatch``'s routing, for ``combine``."""
 
     send_counts: list[int]
     recv_counts: list[int]
-    order: torch.Tensor  # permutation that grouped (token, k) pairs by destination rank
+    source: torch.Tensor  # the token of each row sent, in send order
     num_tokens: int
-    topk: int
 
 
 class Communicator(ABC):
@@ -57,7 +72,17 @@ class Communicator(ABC):
     @classmethod
     @abstractmethod
     def init_world(cls, rank: int, world_size: int, init_method: str, device: str, timeout_s: float) -> None:
-        """Join the global world once per process, before any group is built."""
+        """Join torch.distributed's world once per process, before any group is built; the core builds its CPU
+        (gloo) control plane on that world."""
+
+    @classmethod
+    def new_groups(
+        cls, partition: list[list[int]], rank: int, device: str, options: BaseModel | None = None
+    ) -> Communicator:
+        """This rank's group of ``partition`` (disjoint groups of global ranks covering the world). Every rank
+        calls it with the same partitions in the same order: backends create groups collectively."""
+        mine = next(group for group in partition if rank in group)
+        return cls(mine, mine.index(rank), device, options)
 
     @classmethod
     def destroy_world(cls) -> None:
@@ -97,38 +122,58 @@ class Communicator(ABC):
         """How many rows each rank will send to this one."""
         import torch
 
-        out = self.all_to_all(torch.tensor(send_counts, dtype=torch.int64), [1] * self.world_size, [1] * self.world_size)
-        return out.tolist()
+        counts = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
+        return self.all_to_all(counts, [1] * self.world_size, [1] * self.world_size).tolist()
 
     def dispatch(
-        self, hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
-    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """Send each (token, chosen expert) pair to the rank owning that expert.
+        self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
+    ) -> Dispatched:
+        """Send each token once to every rank owning one of its chosen experts, with its routing weights.
 
-        Experts are split into contiguous equal ranges per rank. Returns the
-        received hidden rows, their global expert ids, and a handle for
-        ``combine``.
+        ``topk_ids`` [T, k] are global expert ids; rank r owns the contiguous experts
+        ``[r * E / world_size, (r + 1) * E / world_size)``. The experts weigh their outputs by the received
+        weights (DeepEP's normal kernels' contract), so ``combine`` only sums. This default sends the counts,
+        the routing and the rows by ``all_to_all`` (the outputs come back by one more); a specialised backend
+        (DeepEP) replaces it.
         """
         import torch
 
-        num_tokens, topk = topk_ids.shape
         per_rank = num_experts // self.world_size
-        flat_experts = topk_ids.reshape(-1)
-        dest = torch.div(flat_experts, per_rank, rounding_mode="floor")
-        order = torch.argsort(dest, stable=True)
+        owner = torch.div(topk_ids, per_rank, rounding_mode="floor")  # [T, k]
+        ranks = torch.arange(self.world_size, device=topk_ids.device)
+        # (rank, token) pairs in rank order: each token goes once to each rank owning any of its choices.
+        dest, source = (owner.unsqueeze(0) == ranks.view(-1, 1, 1)).any(-1).nonzero(as_tuple=True)
         send_counts = torch.bincount(dest, minlength=self.world_size).tolist()
         recv_counts = self.exchange_counts(send_counts)
-        rows = hidden.repeat_interleave(topk, dim=0)[order]
-        recv_hidden = self.all_to_all(rows, send_counts, recv_counts)
-        recv_experts = self.all_to_all(flat_experts[order], send_counts, recv_counts)
-        return recv_hidden, recv_experts, DispatchHandle(send_counts, recv_counts, order, num_tokens, topk)
+        mine = owner[source] == dest.unsqueeze(1)
+        local_ids = torch.where(mine, topk_ids[source] - (dest * per_rank).unsqueeze(1), -1)
+        weights = torch.where(mine, topk_weights[source].float(), 0.0)
+        # One exchange for the routing: ids (exact in float32 below 2^24) beside the weights.
+        routing = self.all_to_all(torch.cat([local_ids.float(), weights], dim=1), send_counts, recv_counts)
+        k = topk_ids.shape[1]
+        return Dispatched(
+            self.all_to_all(hidden[source], send_counts, recv_counts),
+            routing[:, :k].long(),
+            routing[:, k:],
+            DispatchHandle(send_counts, recv_counts, source, hidden.shape[0]),
+        )
 
-    def combine(self, expert_out: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor) -> torch.Tensor:
-        """Return expert outputs to their tokens and sum them with the router weights."""
-        import torch
-
+    def combine(self, expert_out: torch.Tensor, handle: Any) -> torch.Tensor:
+        """The inverse of ``dispatch``: each token's output is the sum of the weighted outputs its rows came back
+        with, [T, H]."""
         back = self.all_to_all(expert_out, handle.recv_counts, handle.send_counts)
-        rows = torch.empty_like(back)
-        rows[handle.order] = back
-        rows = rows.view(handle.num_tokens, handle.topk, -1)
-        return (rows * topk_weights.unsqueeze(-1).to(rows.dtype)).sum(dim=1)
+        return back.new_zeros(handle.num_tokens, back.shape[1]).index_add_(0, handle.source, back)
+
+
+def adapt(impl: type[Communicator], api_version: int) -> type[Communicator]:
+    """``impl`` as a plugin of this API, for one written against ``api_version`` (this or the previous one)."""
+    if api_version >= API_VERSION:
+        return impl
+
+    class V1(impl):  # type: ignore[valid-type, misc]
+        dispatch = Communicator.dispatch
+        combine = Communicator.combine
+
+    V1.api_version = api_version
+    V1.__name__ = V1.__qualname__ = impl.__name__
+    return V1

@@ -12,6 +12,11 @@ examples):
   vocabulary on every rank; ``fw.layers.embedding.ParallelLMHead`` does this)
 - ``load_weights(weights: Iterable[tuple[str, Tensor]]) -> set[str]``
   (checkpoint names as in the Hugging Face checkpoint; returns the parameter names loaded)
+
+A model that declares the feature ``pipeline_parallel`` builds only the layers of its stage
+(``fw.distributed.stage_layers``), passes hidden states between stages through ``get_pp_group()``, and lists
+only its stage's layers in ``attention_specs()`` (``layer_idx`` keeps the layer's number); the last stage's
+``compute_logits`` gives the logits. ``-pp`` is refused for a model without it.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ class ModelCapabilities(Capabilities):
     # Attention features every model of these architectures needs ("mla"); validation asks them of the backend.
     requires_attention_features: frozenset[str] = frozenset()
 
-    KNOWN: ClassVar[dict[str, frozenset[str]]] = {**Capabilities.KNOWN, "requires_attention_features": FEATURES}
+    KNOWN: ClassVar[dict[str, frozenset[str]]] = {
+        **Capabilities.KNOWN, "requires_attention_features": FEATURES, "features": frozenset({"pipeline_parallel"})
+    }
 
     def problems(self, req: Requirements) -> list[str]:
         out = super().problems(req)

@@ -123,7 +123,9 @@ class MoESpec:
     """One mixture-of-experts layer's routed experts, each a gated MLP ``w2 @ (silu(w1 x) * w3 x)``.
 
     Every rank holds every expert, with this rank's share of the MLP width: w1/w3 (gate/up) split by
-    output features, w2 (down) by input features, like a column- then a row-parallel linear layer.
+    output features, w2 (down) by input features, like a column- then a row-parallel linear layer. Under
+    expert parallelism a rank holds ``num_experts`` whole experts instead (``tp_size`` 1), and the layer maps
+    global expert ids to these local ones, before loading and before ``apply``.
     """
 
     # fw's name of the layer, e.g. "model.layers.0.mlp.experts".
@@ -160,7 +162,8 @@ class MoEMethod(ABC):
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`` for ``x`` [T, hidden]; this rank's partial sum."""
+        """``sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`` for ``x`` [T, hidden]; this rank's partial sum.
+        An id of -1 (another rank's expert, under expert parallelism) contributes nothing: ``run_experts`` skips it."""
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack loaded weights for the kernel."""

@@ -1,9 +1,16 @@
-"""Mixture-of-experts layer with stacked expert weights, tensor parallel over the expert MLP width.
+"""Mixture-of-experts layer with stacked expert weights, tensor or expert parallel.
 
-Every rank holds every expert but only its slice of each expert's
-intermediate dimension: ``w13 [E, 2 * I / tp, H]`` (gate rows then up rows)
-and ``w2 [E, H, I / tp]``. Each rank's output is then a partial sum, reduced
-with one all-reduce, exactly like a row-parallel linear layer.
+Tensor parallel (the default): every rank holds every expert but only its
+slice of each expert's intermediate dimension: ``w13 [E, 2 * I / tp, H]``
+(gate rows then up rows) and ``w2 [E, H, I / tp]``. Each rank's output is then
+a partial sum, reduced with one all-reduce, exactly like a row-parallel linear
+layer.
+
+Expert parallel (``--enable-expert-parallel``): each rank of the EP group holds
+``E / ep`` whole experts. Each rank takes its share of the step's tokens, the
+comm plugin's ``dispatch`` sends them to the ranks owning their experts and
+``combine`` brings the weighted outputs back; an all-gather over the TP group
+restores every token on every rank.
 
 The quant method's ``MoEMethod`` owns the parameters' format (``w13_weight``,
 ``w2_weight`` and whatever scales it needs) and the expert compute; the layer
@@ -15,12 +22,13 @@ one function a faster kernel (a grouped GEMM, a Triton kernel) replaces.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fw.distributed import get_tp_group
+from fw.distributed import get_ep_group, get_tp_group
 from fw.interfaces.quant import MoEMethod, MoESpec, QuantMethod
 from fw.layers.activation import silu_and_mul
 from fw.layers.linear import divide
@@ -43,19 +51,21 @@ def run_experts(
     num_experts: int,
     expert: Callable[[int, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """``sum_k topk_weights[t, k] * expert(e, hidden[t])`` with ``e = topk_ids[t, k]``.
+    """``sum_k topk_weights[t, k] * expert(e, hidden[t])`` with ``e = topk_ids[t, k]``; an id of -1 (another rank's
+    expert, under expert parallelism) contributes nothing.
 
     The (token, choice) pairs are sorted by expert so that ``expert(e, rows)`` runs once per expert with work,
     over all of its tokens.
     """
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
-    order = flat_ids.argsort(stable=True)
+    counts = torch.bincount(flat_ids + 1, minlength=num_experts + 1).tolist()
+    order = flat_ids.argsort(stable=True)[counts[0]:]  # the -1s sort first
     token_of = order // top_k
     x = hidden[token_of]
     out = torch.empty_like(x)
     start = 0
-    for e, count in enumerate(torch.bincount(flat_ids, minlength=num_experts).tolist()):
+    for e, count in enumerate(counts[1:]):
         if count:
             rows = slice(start, start + count)
             out[rows] = expert(e, x[rows])
@@ -117,38 +127,55 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.aliases = aliases
         self.tp = get_tp_group()
+        self.ep = get_ep_group()
+        self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
+        if self.ep.world_size > 1:  # whole experts, E / ep of them
+            local = divide(num_experts, self.ep.world_size, f"{prefix} experts over the expert-parallel ranks")
+            shard_rank, shard_size, width = 0, 1, intermediate_size
+        else:
+            local = num_experts
+            shard_rank, shard_size = self.tp.rank, self.tp.world_size
+            width = divide(intermediate_size, self.tp.world_size, f"{prefix} expert width")
+        self.first_expert = self.ep.rank * local
         self.spec = MoESpec(
             prefix=prefix,
-            num_experts=num_experts,
+            num_experts=local,
             hidden_size=hidden_size,
-            intermediate_size=divide(intermediate_size, self.tp.world_size, f"{prefix} expert width"),
+            intermediate_size=width,
             checkpoint_prefix=checkpoint_prefix,
             projections=projections,
             params_dtype=params_dtype,
-            tp_rank=self.tp.rank,
-            tp_size=self.tp.world_size,
+            tp_rank=shard_rank,
+            tp_size=shard_size,
         )
         self.moe_method = quant.get_moe_method(self.spec)
         self.moe_method.create_weights(self, self.spec)
         for name, param in self.named_parameters(recurse=False):
-            if not hasattr(param, "weight_loader"):
-                param.weight_loader = self.weight_loader
+            param.weight_loader = partial(self._load_local, getattr(param, "weight_loader", self.weight_loader))
+            # Every expert's tensors reach every rank (each keeps its own): counted in global shard ids.
             param.num_shards = (2 if name.startswith("w13_") else 1) * num_experts
 
     def checkpoint_targets(self) -> Iterator[tuple[str, tuple[str, tuple[int, str]]]]:
         """(checkpoint module name, (parameter name stem, shard_id)): "...experts.3.w1.weight" loads into
-        ``w13_weight`` with shard_id (3, "w1")."""
+        ``w13_weight`` with shard_id (3, "w1"); every expert's, those of other expert-parallel ranks included."""
         spec = self.spec
         for prefix, projections in ((spec.checkpoint_prefix, spec.projections), *self.aliases):
-            for e in range(spec.num_experts):
+            for e in range(self.num_experts):
                 for projection, which in zip(projections, ("w1", "w3", "w2"), strict=True):
                     stem = "w2_" if which == "w2" else "w13_"
                     yield f"{prefix}.{e}.{projection}", (f"{spec.prefix}.{stem}", (e, which))
 
+    def _load_local(self, load: Callable, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        """``load`` a tensor of global expert ``shard_id[0]`` as this rank's local expert; another rank's, not at all."""
+        expert, which = shard_id
+        local = expert - self.first_expert
+        if 0 <= local < self.spec.num_experts:
+            load(param, loaded, (local, which))
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
-        """Place one expert's checkpoint tensor; ``shard_id`` is (expert, "w1" | "w3" | "w2")."""
+        """Place one (local) expert's checkpoint tensor; ``shard_id`` is (expert, "w1" | "w3" | "w2")."""
         expert, which = shard_id
         w2 = which == "w2"
         load_shard(
@@ -159,8 +186,8 @@ class FusedMoE(nn.Module):
             # w13 stacks gate and up, column-parallel; w2 is row-parallel.
             output_sizes=(1,) if w2 else (1, 1),
             index=0 if which != "w3" else 1,
-            output_rank=None if w2 else self.tp.rank,
-            input_rank=self.tp.rank if w2 else None,
+            output_rank=None if w2 else self.spec.tp_rank,
+            input_rank=self.spec.tp_rank if w2 else None,
             what=f"{self.spec.prefix}, expert {expert} {which}",
         )
 
@@ -172,5 +199,17 @@ class FusedMoE(nn.Module):
 
     def run(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """The experts on a routing already chosen (architectures with a router of their own, DeepSeek's)."""
+        if self.ep.world_size > 1:
+            return self._run_expert_parallel(hidden, topk_weights, topk_ids)
         out = self.moe_method.apply(self, hidden, topk_weights, topk_ids)
         return self.tp.all_reduce(out) if self.tp.world_size > 1 else out
+
+    def _run_expert_parallel(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        # The TP ranks hold the same tokens: each sends only its share (padded to equal shares for the gather).
+        tokens, share = hidden.shape[0], -(-hidden.shape[0] // self.tp.world_size)
+        mine = slice(self.tp.rank * share, (self.tp.rank + 1) * share)
+        sent = self.ep.dispatch(hidden[mine], topk_ids[mine], topk_weights[mine], self.num_experts)
+        out = self.ep.combine(self.moe_method.apply(self, sent.hidden, sent.topk_weights, sent.topk_ids), sent.handle)
+        padded = out.new_zeros(share, out.shape[1])
+        padded[: out.shape[0]] = out
+        return self.tp.all_gather(padded, dim=0)[:tokens]

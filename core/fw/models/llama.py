@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fw.distributed import get_pp_group, stage_layers
 from fw.interfaces.attention import AttentionLayerSpec
 from fw.layers.activation import SiluAndMul
 from fw.layers.attention import Attention
@@ -148,19 +149,41 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class DecoderModel(nn.Module):
-    """The ``model.`` part of the checkpoint: embeddings, decoder layers, final norm."""
+class OtherStageLayer(nn.Module):
+    """The place of a decoder layer that another pipeline stage holds: no parameters, never run."""
 
-    def __init__(self, layers: list[DecoderLayer], config: HFConfig, ctx: ModelContext) -> None:
+
+class DecoderModel(nn.Module):
+    """The ``model.`` part of the checkpoint: embeddings, decoder layers, final norm.
+
+    Under pipeline parallelism ``layers`` holds this stage's layers (``stage``) among placeholders, so that
+    parameter names keep their layer numbers; the stage receives the hidden states and residual stream from the
+    previous stage and sends its own to the next, and only the last applies the final norm. Every stage holds the
+    embeddings, final norm and head, so that loading and tying stay as they are: their memory is repeated.
+    """
+
+    def __init__(self, layers: list[nn.Module], config: HFConfig, ctx: ModelContext, stage: range) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, params_dtype=ctx.dtype)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.get("rms_norm_eps", 1e-6), params_dtype=ctx.dtype)
+        self.stage, self.pp, self.dtype, self.hidden_size = stage, get_pp_group(), ctx.dtype, config.hidden_size
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        """The final hidden states; on a pipeline stage before the last, its own (which the next stage took)."""
+        pp = self.pp
+        if pp.rank == 0:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            shape = (input_ids.shape[0], self.hidden_size)
+            hidden = pp.recv(torch.empty(shape, dtype=self.dtype, device=input_ids.device), pp.rank - 1)
+            residual = pp.recv(torch.empty_like(hidden), pp.rank - 1)
+        for layer in self.layers[self.stage.start : self.stage.stop]:
             hidden, residual = layer(positions, hidden, residual)
+        if pp.rank < pp.world_size - 1:
+            pp.send(hidden, pp.rank + 1)
+            pp.send(residual, pp.rank + 1)
+            return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -213,19 +236,23 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.num_layers = config.num_hidden_layers
         rotary = self.make_rotary(config)
-        layers = []
+        self.stage = stage_layers(self.num_layers)
+        layers: list[nn.Module] = []
         for i in range(self.num_layers):
             prefix = f"model.layers.{i}"
+            if i not in self.stage:
+                layers.append(OtherStageLayer())
+                continue
             attn = self.make_attention(config, ctx, rotary, i, f"{prefix}.self_attn")
             layers.append(DecoderLayer(attn, self.make_mlp(config, ctx, i, f"{prefix}.mlp"), config, ctx))
-        self.model = DecoderModel(layers, config, ctx)
+        self.model = DecoderModel(layers, config, ctx, self.stage)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, params_dtype=ctx.dtype, quant=ctx.quant)
         if config.get("tie_word_embeddings", False):
             self.lm_head.tie(self.model.embed_tokens)
 
     def attention_specs(self) -> list[AttentionLayerSpec]:
-        """One spec per layer, in layer order (index i is the KV cache ``kv_caches[i]``)."""
-        return [layer.self_attn.attn.spec for layer in self.model.layers]
+        """One spec per layer of this pipeline stage, in layer order (``layer_idx`` is the layer's number)."""
+        return [layer.self_attn.attn.spec for layer in self.model.layers[self.stage.start : self.stage.stop]]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -249,6 +276,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                 continue
+            layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+            if layer is not None and layer < self.num_layers and layer not in self.stage:
+                continue  # another pipeline stage's
             module, _, leaf = name.rpartition(".")
             stem, shard_id = targets.get(module, (f"{module}.", None))
             target = stem + leaf

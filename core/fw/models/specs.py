@@ -13,7 +13,10 @@ def _spec(
         kind="models",
         impl=impl,
         capabilities=ModelCapabilities(
-            architectures=architectures, devices=frozen("cpu", "cuda"), requires_attention_features=requires
+            architectures=architectures,
+            devices=frozen("cpu", "cuda"),
+            requires_attention_features=requires,
+            features=frozen("pipeline_parallel"),  # every built-in is a fw.models.llama decoder
         ),
         api_version=API_VERSION,
         description=description,

@@ -425,7 +425,7 @@ def _free_port() -> int:
 # interface grows one that is not in this list.
 EXERCISED = frozenset(
     {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv", "barrier",
-     "exchange_counts", "dispatch", "combine"}
+     "exchange_counts", "dispatch", "combine", "new_groups"}
 )
 
 
@@ -454,13 +454,21 @@ def _comm_worker(rank: int, world: int, port: int, kind: str, name: str, options
     else:
         results["recv"] = group.recv(buf, src=0).tolist()
         group.send(torch.tensor([9.0, 6.0]), dst=0)
-    # MoE dispatch/combine: 4 experts, 2 per rank; combine must equal the dense weighted sum.
+    # Each rank alone in a group of its own: a sum over it is the rank's own value.
+    alone = impl.new_groups([[r] for r in range(world)], rank, "cpu", spec.parse_options(options))
+    results["new_groups"] = (alone.ranks, alone.rank, alone.all_reduce(torch.ones(1)).tolist())
+    # MoE dispatch/combine: 4 experts, 2 per rank. Rank 0's last token and rank 1's first and last choose experts
+    # of one rank only; every other token is sent once to each rank.
     hidden = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
-    topk_ids = torch.tensor([[0, 3], [1, 2], [3, 0]])
-    weights = torch.tensor([[0.5, 0.5], [0.25, 0.75], [1.0, 0.0]])
-    recv_hidden, experts, handle = group.dispatch(hidden, topk_ids, 4)
-    scale = (experts + 1).float().unsqueeze(-1)  # "expert e multiplies by e + 1"
-    combined = group.combine(recv_hidden * scale, handle, weights)
+    topk_ids = torch.tensor([[0, 3], [1, 2], [3, 2]] if rank == 0 else [[1, 0], [2, 3], [0, 1]])
+    weights = torch.tensor([[0.5, 0.5], [0.25, 0.75], [0.9, 0.1]])
+    sent = group.dispatch(hidden, topk_ids, weights, 4)
+    mine = sent.topk_ids >= 0
+    results["dispatch_rows"] = sent.hidden.shape[0]
+    results["dispatch_local"] = bool((sent.topk_ids < 2).all() and (sent.topk_weights[~mine] == 0).all())
+    # "Expert e multiplies by e + 1"; the experts weigh their outputs by the received weights, combine sums.
+    scale = torch.where(mine, sent.topk_ids + 2 * rank + 1, 0).float()
+    combined = group.combine(sent.hidden * (scale * sent.topk_weights).sum(1, keepdim=True), sent.handle)
     expected = (hidden.unsqueeze(1) * (topk_ids + 1).float().unsqueeze(-1) * weights.unsqueeze(-1)).sum(1)
     results["moe_ok"] = bool(torch.allclose(combined, expected, atol=1e-6))
     group.barrier()
@@ -503,6 +511,9 @@ class CommConformance(PluginConformance):
         assert r1["all_to_all"] == [1.0, 2.0, 13.0]
         assert r0["broadcast"] == r1["broadcast"] == [1.0] and r0["broadcast_0"] == r1["broadcast_0"] == [5.0]
         assert r0["recv"] == [9.0, 6.0] and r1["recv"] == [7.0, 8.0]
+        assert r0["new_groups"] == ([0], 0, [1.0]) and r1["new_groups"] == ([1], 0, [1.0])
+        assert r0["dispatch_rows"] == r1["dispatch_rows"] == 4  # each token once per rank owning its experts
+        assert r0["dispatch_local"] and r1["dispatch_local"]  # local expert ids, -1 (weight 0) for others'
         assert r0["moe_ok"] and r1["moe_ok"]
 
 

@@ -9,10 +9,20 @@ from fw.interfaces.comm import Communicator
 
 
 class TorchDistributed(Communicator):
-    def __init__(self, ranks, rank, device, options=None):
+    def __init__(self, ranks, rank, device, options=None, group=None):
         super().__init__(ranks, rank, device, options)
-        # The whole world needs no subgroup; a subgroup must be created by every rank, in the same order.
-        self.group = None if len(ranks) == dist.get_world_size() else dist.new_group(ranks)
+        if group is None and len(ranks) != dist.get_world_size():
+            raise ValueError(f"ranks {ranks} are not the whole world: build subgroups with new_groups")
+        self.group = group  # None: the whole world
+
+    @classmethod
+    def new_groups(cls, partition, rank, device, options=None):
+        if len(partition) == 1:
+            return super().new_groups(partition, rank, device, options)
+        # Collective: every rank creates every group of the partition.
+        group, _ = dist.new_subgroups_by_enumeration(partition)
+        mine = next(ranks for ranks in partition if rank in ranks)
+        return cls(mine, mine.index(rank), device, options, group)
 
     @classmethod
     def init_world(cls, rank, world_size, init_method, device, timeout_s):

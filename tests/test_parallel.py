@@ -1,0 +1,214 @@
+"""Parallel groups, the control plane and expert parallelism, on CPU gloo processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+
+import pytest
+import torch
+from test_models import assert_tp2_matches_single_rank
+
+from fw.distributed import ParallelLayout
+
+pytest.importorskip("fw_comm_torch")
+
+# NCCL's stand-in: on a GPU every tensor a model step hands the data plane is a CUDA tensor, and anything sent
+# outside a step (the step's inputs, start-up agreements) would be a CPU tensor, which NCCL rejects.
+CUDA_ONLY = '''
+import torch
+from fw.interfaces import comm
+from fw.plugins import PluginSpec
+from fw_comm_torch.communicator import TorchDistributed
+
+
+class CudaOnly(TorchDistributed):
+    def _only_in_a_step(self, op, t):
+        if not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"{op} of a CPU tensor {tuple(t.shape)} {t.dtype} outside a model step")
+
+    def all_reduce(self, t):
+        self._only_in_a_step("all_reduce", t)
+        return super().all_reduce(t)
+
+    def all_gather(self, t, dim=-1):
+        self._only_in_a_step("all_gather", t)
+        return super().all_gather(t, dim)
+
+    def reduce_scatter(self, t, dim=0):
+        self._only_in_a_step("reduce_scatter", t)
+        return super().reduce_scatter(t, dim)
+
+    def all_to_all(self, t, send_counts, recv_counts):
+        self._only_in_a_step("all_to_all", t)
+        return super().all_to_all(t, send_counts, recv_counts)
+
+    def broadcast(self, t, src=0):
+        self._only_in_a_step("broadcast", t)
+        return super().broadcast(t, src)
+
+    def send(self, t, dst):
+        self._only_in_a_step("send", t)
+        super().send(t, dst)
+
+    def recv(self, t, src):
+        self._only_in_a_step("recv", t)
+        return super().recv(t, src)
+
+
+SPEC = PluginSpec(
+    name="cuda-only", kind="comm", impl="cuda_only:CudaOnly", capabilities=comm.CommCapabilities(),
+    api_version=comm.API_VERSION, description="torch.distributed refusing CPU tensors outside a model step",
+)
+'''
+
+
+GREEDY_PROMPTS = [[5, 9, 14, 200, 31], [7, 7, 301, 2, 45, 46, 47, 11, 90]]
+
+
+def greedy(path, **kwargs) -> list[list[int]]:
+    """24 greedy tokens of each of GREEDY_PROMPTS, in float32 on the CPU."""
+    from fw import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=32, device="cpu", **kwargs)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(GREEDY_PROMPTS, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+def test_layout_groups():
+    layout = ParallelLayout(tensor_parallel_size=2, pipeline_parallel_size=2, data_parallel_size=2, expert_parallel=True)
+    assert layout.partition("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.partition("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.partition("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.partition("ep") == [[0, 1, 4, 5], [2, 3, 6, 7]]  # DP x TP within a pipeline stage
+    assert ParallelLayout(tensor_parallel_size=2).partition("ep") == [[0], [1]]  # off: experts are TP-sharded
+
+
+@pytest.mark.slow
+def test_expert_parallel_2_matches_single_rank(checkpoint, tmp_path):
+    """EP=2: each rank holds half of the experts whole; tokens reach them through the torch plugin's
+    dispatch/combine; 24 greedy tokens and their logits equal the single-rank run's. Qwen2-MoE's shared expert
+    and DeepSeek-V3's shared experts (behind its own router) stay replicated."""
+    archs = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV3ForCausalLM")
+    paths = [checkpoint(arch) for arch in archs]
+    assert_tp2_matches_single_rank(paths, tmp_path, expert_parallel=True, decode_steps=24)
+
+
+@pytest.mark.slow
+def test_step_inputs_never_touch_the_data_plane(checkpoint, fake_site, monkeypatch, request, tmp_path):
+    """TP=2 with expert parallelism through the engine, on a comm plugin that refuses tensors outside a model
+    step: the step inputs and the KV-cache agreement travel on the control plane. The checkpoint is FP8 (the fp8
+    plugin's MoEMethod holds the experts); the output equals one process's."""
+    from fw import plugins
+    from fw_quant_fp8.testing import write_checkpoint
+
+    site = fake_site("fw-comm-cuda-only", {"fw.comm": {"cuda-only": "cuda_only:SPEC"}}, {"cuda_only": CUDA_ONLY})
+    monkeypatch.syspath_prepend(str(site))  # the spawned workers inherit sys.path
+    plugins.refresh()
+    request.addfinalizer(plugins.refresh)
+    path = write_checkpoint(checkpoint("Qwen3MoeForCausalLM"), tmp_path / "fp8", activations=None)
+    assert greedy(path, tensor_parallel_size=2, enable_expert_parallel=True, comm="cuda-only") == greedy(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "tp"), [("LlamaForCausalLM", 1), ("Qwen2ForCausalLM", 1), ("Qwen2ForCausalLM", 2)])
+def test_pipeline_parallel_matches_single_process(checkpoint, arch, tp):
+    """PP=2 (and TP=2 x PP=2, four processes): each stage holds half of the layers; hidden states and the residual
+    stream pass by send/recv; the last stage's logits reach rank 0. Greedy tokens equal one process's."""
+    path = checkpoint(arch)
+    assert greedy(path, pipeline_parallel_size=2, tensor_parallel_size=tp) == greedy(path)
+
+
+def _kv_worker(rank: int, init_method: str, path: str, queue) -> None:
+    from fw import distributed
+    from fw.config import FwConfig
+    from fw.model_registry import read_hf_config
+    from fw.model_runner import ModelRunner
+    from fw.validate import check
+    from fw_comm_torch.communicator import TorchDistributed
+
+    torch.set_num_threads(1)
+    distributed.init_parallel(TorchDistributed, rank, ParallelLayout(tensor_parallel_size=2), init_method, "cpu")
+    try:
+        # Rank 1 has less memory for its cache, as a fuller GPU would.
+        config = FwConfig(model={"model": path, "dtype": "float32", "device": "cpu"},
+                          cache={"kv_cache_memory": (4 - rank) << 20}, parallel={"tensor_parallel_size": 2})
+        hf_config = read_hf_config(path)
+        runner = ModelRunner(config, check(config, hf_config=hf_config), hf_config, "cpu")
+        queue.put((rank, runner.num_blocks, runner.kv_caches[0].shape, runner.bytes_per_block))
+    finally:
+        distributed.destroy_parallel(TorchDistributed)
+
+
+@pytest.mark.slow
+def test_kv_block_count_is_the_same_on_every_rank(checkpoint):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    path = str(checkpoint("LlamaForCausalLM"))
+    procs = [ctx.Process(target=_kv_worker, args=(rank, init_method, path, queue)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    reports = dict((rank, rest) for rank, *rest in (queue.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    (blocks0, shape0, per_block), (blocks1, shape1, _) = reports[0], reports[1]
+    assert blocks0 == blocks1 == (3 << 20) // per_block  # rank 1's smaller budget decides
+    assert shape0 == shape1
+
+
+@pytest.mark.parametrize(
+    ("parallel", "hf_config", "problem"),
+    [
+        ({}, {"num_local_experts": 4}, "needs more than one rank"),
+        ({"tensor_parallel_size": 2}, {}, "the model has no routed experts"),
+        ({"tensor_parallel_size": 2}, {"n_routed_experts": 3}, "3 experts do not split evenly over 2 ranks"),
+        ({"tensor_parallel_size": 2}, {"num_experts": 8}, None),
+    ],
+)
+def test_expert_parallel_is_refused_where_it_cannot_shard(parallel, hf_config, problem):
+    from fw.config import FwConfig
+    from fw.validate import check
+
+    config = FwConfig(model={"device": "cpu"}, parallel={**parallel, "enable_expert_parallel": True})
+    found = [p for p in check(config, hf_config={"hidden_size": 64, **hf_config}).problems if "expert-parallel" in p]
+    assert [problem in p for p in found] == ([] if problem is None else [True]), found
+
+
+@pytest.mark.parametrize(
+    ("hf_config", "problem"),
+    [
+        ({"num_hidden_layers": 1}, "--pipeline-parallel-size 2: more stages than the model's 1 layers"),
+        ({"num_hidden_layers": 2}, None),
+    ],
+)
+def test_pipeline_parallel_is_refused_with_more_stages_than_layers(hf_config, problem):
+    from fw.config import FwConfig
+    from fw.validate import check
+
+    config = FwConfig(model={"device": "cpu"}, parallel={"pipeline_parallel_size": 2})
+    found = [p for p in check(config, hf_config={"hidden_size": 64, **hf_config}).problems if "pipeline" in p]
+    assert found == ([] if problem is None else [problem])
+
+
+def test_pipeline_parallel_is_refused_for_a_model_without_the_feature(monkeypatch):
+    from dataclasses import replace
+
+    from fw import model_registry
+    from fw.config import FwConfig
+    from fw.models import specs
+    from fw.validate import check
+
+    plain = replace(specs.LLAMA, capabilities=replace(specs.LLAMA.capabilities, features=frozenset()))
+    monkeypatch.setattr(model_registry, "resolve", lambda hf_config: plain)
+    config = FwConfig(model={"device": "cpu"}, parallel={"pipeline_parallel_size": 2})
+    hf_config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 4}
+    assert "--pipeline-parallel-size 2: model plugin 'llama' does not declare pipeline_parallel" in (
+        check(config, hf_config=hf_config).problems
+    )
