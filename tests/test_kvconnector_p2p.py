@@ -49,8 +49,8 @@ def reference(model):
     return [o.outputs[0].token_ids for o in LLM(model, num_kv_blocks=64).generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-def p2p_llm(model, prefix_caching=True, **options):
-    return LLM(model, num_kv_blocks=64, kv_connector="p2p", plugin_options={"kv_connector": options},
+def p2p_llm(model, prefix_caching=True, connector="p2p", **options):
+    return LLM(model, num_kv_blocks=64, kv_connector=connector, plugin_options={"kv_connector": options},
                enable_prefix_caching=prefix_caching)
 
 
@@ -119,9 +119,24 @@ def test_spec_is_light_and_checks_options():
     assert spec.parse_options({"role": "producer"}).transport == "auto"
 
 
+def connector_args(connector, **options):
+    """`fw serve` arguments for a KV connector and its options."""
+    args = ["--kv-connector", connector]
+    for name, value in options.items():
+        args += ["--plugin-option", f"kv_connector.{name}={value}"]
+    return tuple(args)
+
+
 def test_router_in_front_of_prefill_and_decode_instances(model):
-    """32 concurrent requests through `fw router` to a prefill and a decode `fw serve` answer as one colocated
-    instance does, greedy and seeded; the decode instance computed only each prompt's last token."""
+    port = free_port()
+    check_router_in_front_of(model, connector_args("p2p", role="producer", port=port),
+                             connector_args("p2p", role="consumer", peer=f"127.0.0.1:{port}"))
+
+
+def check_router_in_front_of(model, producer, consumer):
+    """32 concurrent requests through `fw router` to a prefill and a decode `fw serve` (``producer``, ``consumer``:
+    their KV-connector arguments) answer as one colocated instance does, greedy and seeded; the decode instance
+    computed only each prompt's last token."""
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 500, (int(n),), generator=gen).tolist() for n in torch.randint(20, 90, (32,), generator=gen)]
     bodies = [{"model": "tiny", "prompt": p, "max_tokens": 8, "ignore_eos": True,
@@ -136,11 +151,6 @@ def test_router_in_front_of_prefill_and_decode_instances(model):
     serve = ("--model", str(model), "--served-model-name", "tiny", "--num-kv-blocks", "256")
     with fw_serve(*serve) as (colocated, _):
         expected = answers(colocated)
-    port = free_port()
-    producer = ("--kv-connector", "p2p", "--plugin-option", "kv_connector.role=producer",
-                "--plugin-option", f"kv_connector.port={port}")
-    consumer = ("--kv-connector", "p2p", "--plugin-option", "kv_connector.role=consumer",
-                "--plugin-option", f"kv_connector.peer=127.0.0.1:{port}")
     with (fw_serve(*serve, *producer) as (prefill, _), fw_serve(*serve, *consumer) as (decode, _),
           fw_serve("--prefill", prefill, "--decode", decode, command="router") as (router, _)):
         got = answers(router)
@@ -215,8 +225,13 @@ def test_a_pull_past_its_timeout_is_computed_and_nothing_leaks(model, reference,
     start = time.monotonic()
     outputs = consumer.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     assert time.monotonic() - start < 2.5  # did not wait for the late answer
+    assert_computed_and_freed(outputs, reference, consumer, producer)
+
+
+def assert_computed_and_freed(outputs, reference, consumer, producer, failed_loads=1):
+    """PROMPTS[0] computed its whole prompt, its load counted failed, and neither engine holds a block."""
     assert outputs[0].outputs[0].token_ids == reference[0] and outputs[0].num_cached_tokens == 0
-    assert consumer.llm_engine.scheduler.connector_stats.failed_loads == 1
+    assert consumer.llm_engine.scheduler.connector_stats.failed_loads == failed_loads
     assert consumer.llm_engine.kv.num_free_blocks() == producer.llm_engine.kv.num_free_blocks() == 64
 
 

@@ -19,7 +19,8 @@ Side channel messages are a 4-byte length and a JSON header, then
 host ids and the per-layer block layout: blocks only move between caches of
 the same layout, and over shared memory (a file in /dev/shm that the
 consumer creates and the producer writes) when both run on one host, over
-the socket otherwise.
+the socket otherwise. Another connector can keep all of this but how the
+bytes move (``SideChannelWorker``): fw-kvconnector-mooncake does.
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ import struct
 import tempfile
 import threading
 import time
+from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -49,7 +51,7 @@ from fw.interfaces.kvconnector import (
     SavedBlocks,
 )
 from fw.kv_cache import hash_block_tokens
-from fw_kvconnector_p2p.spec import P2POptions
+from fw_kvconnector_p2p.spec import P2POptions, SideChannelOptions
 
 log = logging.getLogger("fw")
 
@@ -222,7 +224,7 @@ class P2PConnectorMeta:
 class P2PScheduler(KVConnectorScheduler):
     load_async = True
 
-    def __init__(self, options: P2POptions | None, block_size: int) -> None:
+    def __init__(self, options: SideChannelOptions | None, block_size: int) -> None:
         super().__init__(options or P2POptions(), block_size)
         self._peer: socket.socket | None = None
         self._down_until = 0.0  # time.monotonic() before which the producer is not asked (it failed to answer)
@@ -321,28 +323,33 @@ class _Pull:
     start: float
 
 
-class P2PWorker(KVConnectorWorker):
-    def __init__(self, options: P2POptions | None) -> None:
-        super().__init__(options or P2POptions())
+class SideChannelWorker(KVConnectorWorker):
+    """The worker half of a connector built on the side channel. A subclass says how a consumer moves the
+    blocks' bytes (``_fetch``) and may answer more ops on the producer's side channel (``_side_channel``)."""
+
+    name: ClassVar[str]  # in log messages
+
+    def __init__(self, options: SideChannelOptions) -> None:
+        super().__init__(options)
         self.kv_caches: list[torch.Tensor] = []
         self.server: SideChannel | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pulls: dict[str, _Pull] = {}
         self._saved = SavedBlocks()
         self._report = KVTransferReport()
-        self._shm = self.options.transport != "tcp"  # "auto" drops it for good once the producer cannot use it
 
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
         self.layout = [[list(c[:, 0].shape), str(c.dtype)] for c in kv_caches]
         self.block_bytes = sum(c[:, 0].nbytes for c in kv_caches)
         if self.options.role != "consumer":
-            self.server = SideChannel(
-                self.options.host, self.options.port, BlockBuffer(self.options.buffer_mb << 20), self.layout
-            )
-            log.info("KV connector p2p: side channel on %s:%d", self.options.host, self.server.port)
+            self.server = self._side_channel(BlockBuffer(self.options.buffer_mb << 20))
+            log.info("KV connector %s: side channel on %s:%d", self.name, self.options.host, self.server.port)
         if self.options.role != "producer" and self.options.peer is not None:
             self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fw-kv-p2p-pull")
+
+    def _side_channel(self, buffer: BlockBuffer) -> SideChannel:
+        return SideChannel(self.options.host, self.options.port, buffer, self.layout)
 
     def shutdown(self) -> None:
         if self.server is not None:
@@ -365,17 +372,82 @@ class P2PWorker(KVConnectorWorker):
             if hello["layout"] != self.layout:
                 raise RuntimeError(f"the producer's KV blocks are laid out as {hello['layout']}, ours as {self.layout}")
             nbytes = len(hashes) * self.block_bytes
-            same_host = hello["host"] == host_id() and SHM_DIR.is_dir()
-            if self._shm and (same_host or self.options.transport == "shm"):
-                data = self._pull_shm(sock, hashes, nbytes)
-                if data is not None:
-                    return data
-            send_message(sock, {"op": "get", "hashes": hashes})
-            reply, data = recv_message(sock)
-        if "error" in reply:
-            raise RuntimeError(reply["error"])
+            data = self._fetch(sock, hello, hashes, nbytes)
         if len(data) != nbytes:
             raise RuntimeError(f"the producer sent {len(data)} bytes for {len(hashes)} blocks of {self.block_bytes}")
+        return data
+
+    @abstractmethod
+    def _fetch(self, sock: socket.socket, hello: dict[str, Any], hashes: list[int], nbytes: int) -> Any:
+        """The ``nbytes`` of the blocks ``hashes`` (any object with the buffer protocol), after the handshake
+        on ``sock`` (``hello``: the producer's answer)."""
+
+    def get_finished(self) -> KVTransferReport:
+        report, self._report = self._report, KVTransferReport()
+        now = time.monotonic()
+        for request_id, pull in list(self._pulls.items()):
+            if pull.future.done():
+                del self._pulls[request_id]
+                try:
+                    self._copy_in(pull.blocks, pull.future.result())
+                except Exception as exc:  # noqa: BLE001 - any failure is a miss: the engine computes the tokens
+                    log.warning("KV connector %s: request %s computes its prompt: %s", self.name, request_id, exc)
+                    report.failed.add(request_id)
+                    continue
+                report.loaded.add(request_id)
+                report.bytes_loaded += len(pull.blocks) * self.block_bytes
+                report.seconds += now - pull.start
+            elif now - pull.start > self.options.timeout:
+                # The pull thread writes no cache, so abandoning it is safe; its socket times out on its own.
+                del self._pulls[request_id]
+                log.warning(
+                    "KV connector %s: request %s: no KV after %.1f s; computing it", self.name, request_id, self.options.timeout
+                )
+                report.failed.add(request_id)
+        return report
+
+    def _copy_in(self, blocks: tuple[tuple[int, int], ...], data: Any) -> None:
+        offset = 0
+        for block_id, _ in blocks:
+            for cache in self.kv_caches:
+                dst = cache[:, block_id]
+                src = torch.frombuffer(data, dtype=torch.uint8, count=dst.nbytes, offset=offset)
+                dst.copy_(src.view(dst.dtype).view(dst.shape))
+                offset += dst.nbytes
+
+    # --- producer ---
+
+    def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, meta: P2PConnectorMeta) -> None:
+        if meta.saves and self.server is not None:
+            self._saved.gather(layer_idx, kv_cache, [block_id for _, block_id, _ in meta.saves], meta.saves)
+
+    def wait_for_save(self) -> None:
+        start = time.perf_counter()
+        on_host, saves = self._saved.take(len(self.kv_caches))
+        for j, (_, _, block_hash) in enumerate(saves):
+            data = b"".join(t[:, j].contiguous().view(torch.uint8).numpy().tobytes() for t in on_host)
+            self.server.buffer.put(block_hash, data)
+            self._report.bytes_saved += len(data)
+        self._report.seconds += time.perf_counter() - start
+
+
+class P2PWorker(SideChannelWorker):
+    name = "p2p"
+
+    def __init__(self, options: P2POptions | None) -> None:
+        super().__init__(options or P2POptions())
+        self._shm = self.options.transport != "tcp"  # "auto" drops it for good once the producer cannot use it
+
+    def _fetch(self, sock: socket.socket, hello: dict[str, Any], hashes: list[int], nbytes: int) -> bytearray:
+        same_host = hello["host"] == host_id() and SHM_DIR.is_dir()
+        if self._shm and (same_host or self.options.transport == "shm"):
+            data = self._pull_shm(sock, hashes, nbytes)
+            if data is not None:
+                return data
+        send_message(sock, {"op": "get", "hashes": hashes})
+        reply, data = recv_message(sock)
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
         return data
 
     def _pull_shm(self, sock: socket.socket, hashes: list[int], nbytes: int) -> bytearray | None:
@@ -399,52 +471,6 @@ class P2PWorker(KVConnectorWorker):
         finally:
             os.close(fd)
             os.unlink(path)
-
-    def get_finished(self) -> KVTransferReport:
-        report, self._report = self._report, KVTransferReport()
-        now = time.monotonic()
-        for request_id, pull in list(self._pulls.items()):
-            if pull.future.done():
-                del self._pulls[request_id]
-                try:
-                    self._copy_in(pull.blocks, pull.future.result())
-                except Exception as exc:  # noqa: BLE001 - any failure is a miss: the engine computes the tokens
-                    log.warning("KV connector p2p: request %s computes its prompt: %s", request_id, exc)
-                    report.failed.add(request_id)
-                    continue
-                report.loaded.add(request_id)
-                report.bytes_loaded += len(pull.blocks) * self.block_bytes
-                report.seconds += now - pull.start
-            elif now - pull.start > self.options.timeout:
-                # The pull thread writes no cache, so abandoning it is safe; its socket times out on its own.
-                del self._pulls[request_id]
-                log.warning("KV connector p2p: request %s: no KV after %.1f s; computing it", request_id, self.options.timeout)
-                report.failed.add(request_id)
-        return report
-
-    def _copy_in(self, blocks: tuple[tuple[int, int], ...], data: bytearray) -> None:
-        offset = 0
-        for block_id, _ in blocks:
-            for cache in self.kv_caches:
-                dst = cache[:, block_id]
-                src = torch.frombuffer(data, dtype=torch.uint8, count=dst.nbytes, offset=offset)
-                dst.copy_(src.view(dst.dtype).view(dst.shape))
-                offset += dst.nbytes
-
-    # --- producer ---
-
-    def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, meta: P2PConnectorMeta) -> None:
-        if meta.saves and self.server is not None:
-            self._saved.gather(layer_idx, kv_cache, [block_id for _, block_id, _ in meta.saves], meta.saves)
-
-    def wait_for_save(self) -> None:
-        start = time.perf_counter()
-        on_host, saves = self._saved.take(len(self.kv_caches))
-        for j, (_, _, block_hash) in enumerate(saves):
-            data = b"".join(t[:, j].contiguous().view(torch.uint8).numpy().tobytes() for t in on_host)
-            self.server.buffer.put(block_hash, data)
-            self._report.bytes_saved += len(data)
-        self._report.seconds += time.perf_counter() - start
 
 
 KV_CONNECTOR = KVConnector(scheduler=P2PScheduler, worker=P2PWorker)
