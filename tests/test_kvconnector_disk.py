@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from fw.interfaces.base import Requirements
+from fw.interfaces.kvconnector import PrefixBlockMeta
 from fw.plugins import get_spec
-from fw_kvconnector_disk.connector import KV_CONNECTOR, DiskConnectorMeta
+from fw_kvconnector_disk.connector import KV_CONNECTOR
 
 BLOCK_SIZE, NUM_BLOCKS, NUM_LAYERS = 16, 8, 2
 PROMPT = list(range(1000, 1040))  # 40 tokens: two full blocks and a partial one
@@ -53,6 +54,7 @@ def test_round_trip_from_producer_to_a_fresh_consumer(tmp_path):
     produced = kv_caches(lambda shape: torch.randn(shape, generator=gen))
     meta = produce(tmp_path, PROMPT, [3, 5, 6], produced)
     assert [block_id for _, block_id, _ in meta.saves] == [3, 5]  # full blocks only
+    produced_hashes = [h for _, _, h in meta.saves]
     assert sorted(os.listdir(tmp_path)) == sorted(f"{h:016x}.safetensors" for _, _, h in meta.saves)
 
     scheduler, worker = connector(tmp_path, "consumer")
@@ -68,8 +70,8 @@ def test_round_trip_from_producer_to_a_fresh_consumer(tmp_path):
     scheduler.update_state_after_alloc("c", [1, 7, 2], 32)
     scheduler.request_computed("c", PROMPT, [1, 7, 2], 40)  # a consumer never saves
     meta = scheduler.build_connector_meta()
-    assert [block_id for _, block_id, _ in meta.loads] == [1, 7] and meta.saves == ()
-    assert scheduler.build_connector_meta() == DiskConnectorMeta()  # each step's lists are handed out once
+    assert meta.loads == (("c", ((1, produced_hashes[0]), (7, produced_hashes[1]))),) and meta.saves == ()
+    assert scheduler.build_connector_meta() == PrefixBlockMeta()  # each step's lists are handed out once
 
     run_step(worker, meta, consumed)
     report = worker.get_finished()
@@ -97,7 +99,7 @@ def test_both_role_skips_blocks_already_on_disk_and_saves_new_ones_once(tmp_path
     # A chunked prefill: the first step reaches token 64, the second the end of the prompt.
     scheduler.request_computed("a", longer, [0, 1, 2, 3, 4, 5], 64)
     meta = scheduler.build_connector_meta()
-    assert [b for _, b, _ in meta.loads] == [0, 1] and [b for _, b, _ in meta.saves] == [2, 3]
+    assert [b for b, _ in meta.loads[0][1]] == [0, 1] and [b for _, b, _ in meta.saves] == [2, 3]
     run_step(worker, meta, caches)
     scheduler.request_computed("a", longer, [0, 1, 2, 3, 4, 5], 82)
     meta = scheduler.build_connector_meta()
@@ -115,7 +117,7 @@ def test_finished_request_drops_its_pending_transfers(tmp_path):
     scheduler.get_num_new_matched_tokens("a", PROMPT, 0)
     scheduler.request_computed("a", PROMPT, [3, 5, 6], 40)
     assert scheduler.request_finished("a", [3, 5, 6]) is False
-    assert scheduler.build_connector_meta() == DiskConnectorMeta()
+    assert scheduler.build_connector_meta() == PrefixBlockMeta()
 
 
 def test_unreadable_files_fail_the_load_untouched_and_skip_the_requests_saves(tmp_path, caplog):
@@ -124,8 +126,8 @@ def test_unreadable_files_fail_the_load_untouched_and_skip_the_requests_saves(tm
     caches = [torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, 4, 8) for _ in range(NUM_LAYERS)]  # another model's shape
     worker.register_kv_caches(caches)
     (tmp_path / "0000000000000bad.safetensors").write_bytes(b"truncated")
-    step = DiskConnectorMeta(
-        loads=(("other-model", 0, meta.saves[0][2]), ("corrupt", 1, 0xBAD), ("gone", 2, 0xDEAD)),
+    step = PrefixBlockMeta(
+        loads=(("other-model", ((0, meta.saves[0][2]),)), ("corrupt", ((1, 0xBAD),)), ("gone", ((2, 0xDEAD),))),
         saves=(("corrupt", 4, 0x5AFE), ("fine", 5, 0x600D)),
     )
     run_step(worker, step, caches)

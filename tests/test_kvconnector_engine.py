@@ -57,6 +57,16 @@ def test_disk_prefix_saved_by_one_engine_is_loaded_by_a_fresh_one(model, referen
     assert consumer.llm_engine.kv.num_free_blocks() == 64
 
 
+def test_a_salted_prompt_loads_only_what_its_own_salt_saved(model, reference, tmp_path):
+    """cache_salt keeps tenants apart through a connector as in the prefix cache: another salt, or none, misses."""
+    salted = [{**PROMPTS[0], "cache_salt": "tenant-a"}]
+    run(disk_llm(model, tmp_path, "producer"), salted)
+    for prompt, hits in (({**PROMPTS[0], "cache_salt": "tenant-b"}, 0), (PROMPTS[0], 0), (salted[0], 64)):
+        consumer = disk_llm(model, tmp_path, "consumer", enable_prefix_caching=False)
+        assert run(consumer, [prompt])[0] == reference[:1]
+        assert consumer.llm_engine.scheduler.connector_stats.hits == hits, prompt
+
+
 def test_a_failed_load_is_recomputed(model, reference, tmp_path):
     run(disk_llm(model, tmp_path, "producer"), PROMPTS[:1])
     files = sorted(tmp_path.glob("*.safetensors"))
@@ -78,7 +88,7 @@ from pydantic import BaseModel
 import torch
 from fw.interfaces import kvconnector
 from fw.interfaces.base import frozen
-from fw.kv_cache import hash_block_tokens
+from fw.kv_cache import block_hash_chain
 from fw.plugins import PluginSpec
 
 STORE = {}  # prefix hash -> {layer: block}
@@ -91,12 +101,8 @@ class Options(BaseModel, extra="forbid"):
     fail: bool = False
 
 
-def hashes(token_ids, block_size, end):
-    out, parent = [], None
-    for start in range(0, end - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
-        out.append(parent)
-    return out
+def hashes(token_ids, block_size, end, keys):
+    return block_hash_chain(token_ids[: end // block_size * block_size], block_size, keys)
 
 
 class Scheduler(kvconnector.KVConnectorScheduler):
@@ -106,10 +112,10 @@ class Scheduler(kvconnector.KVConnectorScheduler):
         super().__init__(options, block_size)
         self.loads, self.saves, self.finished, self.matched, self.saved = [], [], [], {}, {}
 
-    def get_num_new_matched_tokens(self, request_id, token_ids, num_computed_tokens):
+    def get_num_new_matched_tokens(self, request_id, token_ids, num_computed_tokens, cache_keys=()):
         first = num_computed_tokens // self.block_size
         found = []
-        for h in hashes(token_ids, self.block_size, len(token_ids) - 1)[first:]:
+        for h in hashes(token_ids, self.block_size, len(token_ids) - 1, cache_keys)[first:]:
             if h not in STORE:
                 break
             found.append(h)
@@ -121,9 +127,9 @@ class Scheduler(kvconnector.KVConnectorScheduler):
         for i, h in enumerate(found[: num_external_tokens // self.block_size]):
             self.loads.append((request_id, block_ids[first + i], h))
 
-    def request_computed(self, request_id, token_ids, block_ids, num_computed_tokens):
+    def request_computed(self, request_id, token_ids, block_ids, num_computed_tokens, cache_keys=()):
         done = self.saved.setdefault(request_id, set())
-        for i, h in enumerate(hashes(token_ids, self.block_size, num_computed_tokens)):
+        for i, h in enumerate(hashes(token_ids, self.block_size, num_computed_tokens, cache_keys)):
             if h not in STORE and i not in done:
                 done.add(i)
                 self.saves.append((block_ids[i], h))
@@ -302,7 +308,7 @@ def test_a_connector_offering_too_much_fails_no_one(caplog):
     class Greedy(KVConnectorScheduler):
         """Offers the whole prompt, its last token included."""
 
-        def get_num_new_matched_tokens(self, request_id, token_ids, num_computed_tokens):
+        def get_num_new_matched_tokens(self, request_id, token_ids, num_computed_tokens, cache_keys=()):
             return len(token_ids) - num_computed_tokens
 
         def update_state_after_alloc(self, request_id, block_ids, num_external_tokens):

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from fw import LLM, SamplingParams
+from fw.kv_cache import block_hash_chain
 from fw.plugins import get_spec
 from fw.testing.models import make_tiny_model
-from fw_kvconnector_offload.connector import KV_CONNECTOR, TieredStore, block_file, full_block_hashes
+from fw_kvconnector_offload.connector import KV_CONNECTOR, TieredStore, block_file
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 BS = 16
@@ -108,7 +109,7 @@ def test_corrupt_and_truncated_files_are_misses(model, reference, tmp_path):
     llm = offload_llm(model, tmp_path, cpu_bytes=16 * BLOCK_BYTES, disk_bytes=300 * FILE_BYTES)
     run_in_turn(llm, [A, OTHER])
     scheduler, worker = connector(llm)
-    hashes = full_block_hashes(PREFIX, BS)
+    hashes = block_hash_chain(PREFIX[: len(PREFIX) // BS * BS], BS)
     corrupt, truncated = (Path(block_file(str(tmp_path), hashes[i])) for i in (5, 90))
     data = bytearray(corrupt.read_bytes())
     data[100] ^= 0x01  # one bit of the payload
@@ -224,4 +225,4 @@ def test_a_load_that_outlasts_the_timeout_fails(tmp_path):
     worker.store._io.submit(int).result()  # the abandoned reads have completed
     assert not worker.get_finished().loaded
     assert all(torch.equal(a, b) for a, b in zip(caches, before, strict=True))  # the abandoned reads wrote nothing
-    assert scheduler.store.where(full_block_hashes(list(range(100, 140)), BS)[0]) == "disk"  # slow, not bad
+    assert scheduler.store.where(block_hash_chain(list(range(100, 140)), BS)[0]) == "disk"  # slow, not bad

@@ -32,7 +32,7 @@ from fw.async_engine import AsyncEngine, Outbox
 from fw.config import FwConfig, config_class, picklable
 from fw.engine import EngineError, LLMEngine
 from fw.inputs import PromptType
-from fw.kv_cache import hash_block_tokens
+from fw.kv_cache import block_hash_chain
 from fw.outputs import RequestOutput
 from fw.sampling_params import SamplingParams
 
@@ -160,11 +160,7 @@ def prompt_block_hashes(prompt: PromptType, block_size: int) -> list[int]:
     if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
         return []
     ids, salt = prompt["prompt_token_ids"], prompt.get("cache_salt")
-    parent, out = None, []
-    for start in range(0, len(ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, ids[start : start + block_size], (salt,) if salt else ())
-        out.append(parent)
-    return out
+    return block_hash_chain(ids[: len(ids) // block_size * block_size], block_size, (salt,) if salt else ())
 
 
 class FrontInfo:

@@ -25,6 +25,7 @@ __all__ = [
     "KVBlock",
     "KVCacheManager",
     "NoFreeBlocksError",
+    "block_hash_chain",
     "hash_block_tokens",
 ]
 
@@ -77,6 +78,16 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_k
     _encode(tuple(extra_keys), parts)
     digest = hashlib.blake2b(b"".join(parts), digest_size=8, person=b"fw-kv-block")
     return int.from_bytes(digest.digest(), "little")
+
+
+def block_hash_chain(token_ids: Sequence[int], block_size: int, extra_keys: tuple = ()) -> list[int]:
+    """The chained hash of each block of ``token_ids`` (the last one may be partial), as the prefix cache chains
+    its blocks: what KV connectors and the data-parallel router key prompt blocks by."""
+    parent, out = None, []
+    for start in range(0, len(token_ids), block_size):
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
+        out.append(parent)
+    return out
 
 
 @dataclass(eq=False)

@@ -185,7 +185,9 @@ class Scheduler:
         """Prompt tokens the connector offers to load after the ``cached`` local ones (0 without a connector)."""
         if self.connector is None or request.params.prompt_logprobs is not None or request.request_id in self.recompute:
             return 0
-        offered = self.connector.get_num_new_matched_tokens(request.request_id, request.all_token_ids, cached)
+        offered = self.connector.get_num_new_matched_tokens(
+            request.request_id, request.all_token_ids, cached, request.cache_keys
+        )
         # The last token is computed here: its logits give the next token.
         limit = request.num_tokens - 1 - cached
         if not 0 <= offered <= limit:
@@ -256,7 +258,7 @@ class Scheduler:
         for request, n in zip(batch.requests, batch.num_new, strict=True):
             rid = request.request_id
             self.connector.request_computed(
-                rid, request.all_token_ids, self.kv.block_ids(rid), request.num_computed_tokens + n
+                rid, request.all_token_ids, self.kv.block_ids(rid), request.num_computed_tokens + n, request.cache_keys
             )
         return self.connector.build_connector_meta()
 

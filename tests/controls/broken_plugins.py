@@ -81,7 +81,7 @@ class ReversedGather(TorchDistributed):
 class PartialBlocksScheduler(kvconnector.KVConnectorScheduler):
     """Offers every prompt token but the last, though nothing was saved (and its worker loads nothing)."""
 
-    def get_num_new_matched_tokens(self, request_id, token_ids, num_computed_tokens):
+    def get_num_new_matched_tokens(self, request_id, token_ids, num_computed_tokens, cache_keys=()):
         return len(token_ids) - num_computed_tokens - 1
 
     def update_state_after_alloc(self, request_id, block_ids, num_external_tokens):

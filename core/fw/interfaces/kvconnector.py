@@ -59,12 +59,15 @@ class KVConnectorScheduler(ABC):
         self.block_size = block_size
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> int:
+    def get_num_new_matched_tokens(
+        self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, cache_keys: tuple = ()
+    ) -> int:
         """Tokens past ``num_computed_tokens`` (already local) that can be loaded from outside.
 
         ``token_ids``: the request's tokens (its prompt; after a preemption, its outputs too). At most
         ``len(token_ids) - 1 - num_computed_tokens``: the last token is computed locally, its logits
-        give the next token.
+        give the next token. ``cache_keys`` (the prompt's ``cache_salt``) keep prompts apart as they keep the
+        prefix cache's blocks apart: KV saved under other keys must never match.
         """
 
     @abstractmethod
@@ -73,7 +76,8 @@ class KVConnectorScheduler(ABC):
         order); remember which to fill with the ``num_external_tokens`` loaded tokens."""
 
     def request_computed(
-        self, request_id: str, token_ids: Sequence[int], block_ids: list[int], num_computed_tokens: int
+        self, request_id: str, token_ids: Sequence[int], block_ids: list[int], num_computed_tokens: int,
+        cache_keys: tuple = (),
     ) -> None:
         """Once this step runs, the request's first ``num_computed_tokens`` of ``token_ids`` have KV in
         ``block_ids`` (its whole block table): where a connector learns what it may save."""
@@ -167,6 +171,113 @@ class SavedBlocks:
         if sorted(layers) != list(range(num_layers)):
             raise RuntimeError(f"save_kv_layer ran for layers {sorted(layers)} of {num_layers}: a block needs every layer")
         return [layers[i].cpu() for i in range(num_layers)], saves
+
+
+@dataclass(frozen=True)
+class PrefixBlockMeta:
+    """One step's transfers of a ``PrefixBlockScheduler``, as plain data (it travels to the workers)."""
+
+    # (request_id, ((block_id, block_hash), ...)): fill the request's blocks with the KV stored under the hashes
+    loads: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
+    # (request_id, block_id, block_hash): store the block's KV under the hash
+    saves: tuple[tuple[str, int, int], ...] = ()
+
+
+class PrefixBlockScheduler(KVConnectorScheduler):
+    """The scheduler half of a connector that stores prompt blocks under their prefix hash
+    (``fw.kv_cache.block_hash_chain``, cache keys included), so a stored block stands for exactly one prefix.
+
+    A subclass says how many leading blocks of a chain its store can provide (``stored_prefix``) and which
+    computed blocks are worth saving (``should_save``); the bookkeeping of matches, loads and saves is here.
+    With ``partial_blocks`` the chain also covers the prompt's last, incomplete block (up to the last token,
+    which is always computed locally): a consumer then computes nothing else. The options' ``role``, where
+    there is one, turns loads (``producer``) or saves (``consumer``) off.
+    """
+
+    partial_blocks: ClassVar[bool] = False
+
+    def __init__(self, options: BaseModel | None, block_size: int) -> None:
+        super().__init__(options, block_size)
+        self._chains: dict[str, tuple[list[int], int]] = {}  # request -> (its prompt's hashes, tokens they cover)
+        self._matched: dict[str, tuple[int, list[int]]] = {}  # request -> (first block index, hashes found)
+        self._next_save: dict[str, int] = {}  # request -> first block not yet considered for saving
+        self._loads: list[tuple[str, tuple[tuple[int, int], ...]]] = []
+        self._saves: dict[int, tuple[str, int]] = {}  # hash -> (request, block id): a prefix saved once per step
+
+    @property
+    def loads_kv(self) -> bool:
+        return getattr(self.options, "role", "both") != "producer"
+
+    @property
+    def saves_kv(self) -> bool:
+        return getattr(self.options, "role", "both") != "consumer"
+
+    @abstractmethod
+    def stored_prefix(self, hashes: list[int]) -> int:
+        """How many leading blocks of ``hashes`` the store can provide now."""
+
+    def should_save(self, block_hash: int) -> bool:
+        """Whether a computed block is saved (False where the store holds it already)."""
+        return True
+
+    def _chain(self, request_id: str, token_ids: Sequence[int], cache_keys: tuple) -> tuple[list[int], int]:
+        # Taken when the request is first seen: after a preemption token_ids holds outputs too, which are not saved.
+        if request_id not in self._chains:
+            from fw.kv_cache import block_hash_chain
+
+            end = len(token_ids) - 1 if self.partial_blocks else len(token_ids) // self.block_size * self.block_size
+            self._chains[request_id] = (block_hash_chain(token_ids[:end], self.block_size, cache_keys), end)
+        return self._chains[request_id]
+
+    def get_num_new_matched_tokens(
+        self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int, cache_keys: tuple = ()
+    ) -> int:
+        self._matched.pop(request_id, None)
+        if not self.loads_kv or num_computed_tokens % self.block_size:  # stored blocks cannot complete a block
+            return 0
+        hashes, _ = self._chain(request_id, token_ids, cache_keys)
+        first, loadable = num_computed_tokens // self.block_size, len(token_ids) - 1
+        last = -(-loadable // self.block_size) if self.partial_blocks else loadable // self.block_size
+        wanted = hashes[first:last]
+        count = self.stored_prefix(wanted) if wanted else 0
+        if not count:
+            return 0
+        self._matched[request_id] = (first, wanted[:count])
+        return min((first + count) * self.block_size, loadable) - num_computed_tokens
+
+    def update_state_after_alloc(self, request_id: str, block_ids: list[int], num_external_tokens: int) -> None:
+        first, found = self._matched.pop(request_id, (0, []))
+        count = -(-num_external_tokens // self.block_size)  # a partial last block counts
+        if count:
+            self._loads.append((request_id, tuple(zip(block_ids[first : first + count], found[:count], strict=True))))
+
+    def request_computed(
+        self, request_id: str, token_ids: Sequence[int], block_ids: list[int], num_computed_tokens: int,
+        cache_keys: tuple = (),
+    ) -> None:
+        if not self.saves_kv:
+            return
+        hashes, end = self._chain(request_id, token_ids, cache_keys)
+        i = self._next_save.get(request_id, 0)
+        while i < len(hashes) and num_computed_tokens >= min((i + 1) * self.block_size, end):
+            if hashes[i] not in self._saves and self.should_save(hashes[i]):
+                self._saves[hashes[i]] = (request_id, block_ids[i])
+            i += 1
+        self._next_save[request_id] = i
+
+    def build_connector_meta(self) -> PrefixBlockMeta:
+        meta = PrefixBlockMeta(tuple(self._loads), tuple((r, b, h) for h, (r, b) in self._saves.items()))
+        self._loads, self._saves = [], {}
+        return meta
+
+    def request_finished(self, request_id: str, block_ids: list[int]) -> bool:
+        """Forgets the request and drops its pending transfers: one that ends before its step's metadata is built
+        (an abort) frees blocks that may be handed out again. False: saves complete within their step."""
+        for state in (self._chains, self._matched, self._next_save):
+            state.pop(request_id, None)
+        self._loads = [load for load in self._loads if load[0] != request_id]
+        self._saves = {h: save for h, save in self._saves.items() if save[0] != request_id}
+        return False
 
 
 @dataclass(frozen=True)

@@ -572,19 +572,24 @@ class KVConnectorConformance(PluginConformance):
         produced = self._caches(lambda *shape: torch.randn(*shape, generator=gen))
         producer, producer_worker = self._halves("producer", tmp_path, produced)
         p_blocks, c_blocks = [3, 5, 6], [1, 7, 2]
-        producer.get_num_new_matched_tokens("r", prompt, 0)
+        keys = ("tenant-a",)  # the prompt's cache_salt
+        producer.get_num_new_matched_tokens("r", prompt, 0, keys)
         producer.update_state_after_alloc("r", p_blocks, 0)
-        producer.request_computed("r", prompt, p_blocks, len(prompt))
+        producer.request_computed("r", prompt, p_blocks, len(prompt), keys)
         sent = "r" in self._step(producer, producer_worker, computes=True).sent
         held = producer.request_finished("r", p_blocks)
 
         consumed = self._caches(torch.zeros)
         consumer, consumer_worker = self._halves("consumer", tmp_path, consumed)
-        offered = consumer.get_num_new_matched_tokens("r", prompt, 0)
+        # KV saved under other cache keys (another cache_salt, or none) never matches: the salt isolates tenants.
+        for other in (("tenant-b",), ()):
+            assert consumer.get_num_new_matched_tokens("other", prompt, 0, other) == 0, f"matched under keys {other}"
+            consumer.request_finished("other", [])
+        offered = consumer.get_num_new_matched_tokens("r", prompt, 0, keys)
         # Something must be offered, but never the last token: its logits give the first output token.
         assert 0 < offered < len(prompt), offered
         consumer.update_state_after_alloc("r", c_blocks, offered)
-        consumer.request_computed("r", prompt, c_blocks, len(prompt))
+        consumer.request_computed("r", prompt, c_blocks, len(prompt), keys)
         report = self._step(consumer, consumer_worker, computes=not consumer.load_async)
         loaded = not consumer.load_async
         deadline = time.monotonic() + self.TIMEOUT

@@ -2,7 +2,7 @@
 
 A producer writes the KV of every full prompt block to
 ``<path>/<hash>.safetensors``, where ``hash`` is the block's prefix hash
-(``fw.kv_cache.hash_block_tokens`` chained over the prompt's blocks), so a
+(``fw.kv_cache.block_hash_chain`` over the prompt, its ``cache_salt`` included), so a
 file stands for exactly one prefix. A consumer (another instance, or this one
 after a restart) given a prompt with that prefix loads the blocks instead of
 computing them. A file holds the block's K and V for every layer and appears
@@ -38,8 +38,6 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -47,112 +45,36 @@ from safetensors.torch import load_file, save_file
 
 from fw.interfaces.kvconnector import (
     KVConnector,
-    KVConnectorScheduler,
     KVConnectorWorker,
     KVTransferReport,
+    PrefixBlockMeta,
+    PrefixBlockScheduler,
     SavedBlocks,
 )
-from fw.kv_cache import hash_block_tokens
 from fw_kvconnector_disk.spec import DiskOptions
 
 log = logging.getLogger("fw")
-
-
-@dataclass(frozen=True)
-class DiskConnectorMeta:
-    """One step's transfers, as plain data (it is sent to the worker processes)."""
-
-    # (request_id, block_id, block_hash): fill the block from the hash's file
-    loads: tuple[tuple[str, int, int], ...] = ()
-    # (request_id, block_id, block_hash): write the block to the hash's file
-    saves: tuple[tuple[str, int, int], ...] = ()
 
 
 def block_file(root: str, block_hash: int) -> str:
     return os.path.join(root, f"{block_hash:016x}.safetensors")
 
 
-class DiskScheduler(KVConnectorScheduler):
+class DiskScheduler(PrefixBlockScheduler):
     def __init__(self, options: DiskOptions | None, block_size: int) -> None:
         super().__init__(options or DiskOptions(), block_size)
-        self._hashes: dict[str, list[int]] = {}  # request -> hashes of its full prompt blocks
-        self._matched: dict[str, tuple[int, list[int]]] = {}  # request -> (first block index, hashes on disk)
-        self._next_save: dict[str, int] = {}  # request -> first prompt block not yet considered for saving
-        self._loads: list[tuple[str, int, int]] = []
-        # hash -> (request, block id): two requests computing the same prefix in one step save it once.
-        self._saves: dict[int, tuple[str, int]] = {}
-
-    def _prompt_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
-        hashes = self._hashes.get(request_id)
-        if hashes is None:
-            hashes, parent, bs = [], None, self.block_size
-            for start in range(0, len(token_ids) - bs + 1, bs):
-                parent = hash_block_tokens(parent, token_ids[start : start + bs])
-                hashes.append(parent)
-            self._hashes[request_id] = hashes
-        return hashes
 
     def _on_disk(self, block_hash: int) -> bool:
         return os.path.exists(block_file(self.options.path, block_hash))
 
-    def get_num_new_matched_tokens(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> int:
-        self._matched.pop(request_id, None)
-        # Files hold whole blocks, so a partly computed block cannot be completed from disk.
-        if self.options.role == "producer" or num_computed_tokens % self.block_size:
-            return 0
-        hashes = self._prompt_hashes(request_id, token_ids)
-        first = num_computed_tokens // self.block_size
-        # The last prompt token is always computed locally: its logits give the first output token.
-        limit = (len(token_ids) - 1) // self.block_size
-        found = []
-        for block_hash in hashes[first:limit]:
-            if not self._on_disk(block_hash):
-                break  # a prefix chain: nothing past a missing block can be used
-            found.append(block_hash)
-        if found:
-            self._matched[request_id] = (first, found)
-        return len(found) * self.block_size
+    def stored_prefix(self, hashes: list[int]) -> int:
+        count = 0
+        while count < len(hashes) and self._on_disk(hashes[count]):
+            count += 1
+        return count
 
-    def update_state_after_alloc(self, request_id: str, block_ids: list[int], num_external_tokens: int) -> None:
-        """``block_ids`` is the request's whole block table, in logical order."""
-        first, found = self._matched.pop(request_id, (0, []))
-        for i, block_hash in enumerate(found[: num_external_tokens // self.block_size]):
-            self._loads.append((request_id, block_ids[first + i], block_hash))
-
-    def request_computed(
-        self, request_id: str, token_ids: Sequence[int], block_ids: list[int], num_computed_tokens: int
-    ) -> None:
-        """Engine hook: once this step runs, the request's first ``num_computed_tokens`` tokens have KV.
-
-        Call it for every request scheduled in a step, after its blocks are allocated and before
-        ``build_connector_meta()``, with the prompt's ``token_ids`` and the request's whole block
-        table. Each full prompt block covered for the first time joins this step's saves unless its
-        file exists already (loaded blocks, or another producer's).
-        """
-        if self.options.role == "consumer":
-            return
-        hashes = self._prompt_hashes(request_id, token_ids)
-        start = self._next_save.get(request_id, 0)
-        end = min(num_computed_tokens // self.block_size, len(hashes))
-        for i in range(start, end):
-            if hashes[i] not in self._saves and not self._on_disk(hashes[i]):
-                self._saves[hashes[i]] = (request_id, block_ids[i])
-        self._next_save[request_id] = max(start, end)
-
-    def build_connector_meta(self) -> DiskConnectorMeta:
-        meta = DiskConnectorMeta(loads=tuple(self._loads), saves=tuple((r, b, h) for h, (r, b) in self._saves.items()))
-        self._loads, self._saves = [], {}
-        return meta
-
-    def request_finished(self, request_id: str, block_ids: list[int]) -> bool:
-        for state in (self._hashes, self._matched, self._next_save):
-            state.pop(request_id, None)
-        # A request that ends before its step's metadata is built (an abort) frees blocks that may be
-        # handed out again: drop its pending transfers. Saves are done within their step, so the
-        # blocks need not be kept.
-        self._loads = [load for load in self._loads if load[0] != request_id]
-        self._saves = {h: save for h, save in self._saves.items() if save[0] != request_id}
-        return False
+    def should_save(self, block_hash: int) -> bool:
+        return not self._on_disk(block_hash)  # loaded blocks, or another producer's
 
 
 class DiskWorker(KVConnectorWorker):
@@ -170,14 +92,13 @@ class DiskWorker(KVConnectorWorker):
             )
         super().register_kv_caches(kv_caches)
 
-    def start_load_kv(self, meta: DiskConnectorMeta) -> None:
+    def start_load_kv(self, meta: PrefixBlockMeta) -> None:
         # Loads finish here, before the forward pass, so wait_for_layer_load has nothing to wait for.
         start = time.perf_counter()
-        for request_id, block_id, block_hash in meta.loads:
-            if request_id in self._report.failed:
-                continue
+        for request_id, blocks in meta.loads:
             try:
-                self._report.bytes_loaded += self._load(block_id, block_file(self.options.path, block_hash))
+                for block_id, block_hash in blocks:
+                    self._report.bytes_loaded += self._load(block_id, block_file(self.options.path, block_hash))
             except Exception as exc:  # noqa: BLE001 - any unreadable file is a miss: the engine recomputes
                 log.warning("KV connector disk: request %s computes its prompt: %s", request_id, exc)
                 self._report.failed.add(request_id)
@@ -200,7 +121,7 @@ class DiskWorker(KVConnectorWorker):
             cache[:, block_id].copy_(tensors[f"layer.{layer_idx}"])
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
-    def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, meta: DiskConnectorMeta) -> None:
+    def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, meta: PrefixBlockMeta) -> None:
         if meta.saves:  # the files are written in wait_for_save
             self._saved.gather(layer_idx, kv_cache, [block_id for _, block_id, _ in meta.saves], meta.saves)
 

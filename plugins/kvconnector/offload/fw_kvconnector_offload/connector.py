@@ -1,7 +1,7 @@
 """Tiered offload KV connector: prompt KV kept in host RAM, then on disk, and loaded back on a prefix hit.
 
 Every full prompt block the engine computes is saved, keyed by its prefix hash
-(``fw.kv_cache.hash_block_tokens`` chained over the prompt's blocks), into a
+(``fw.kv_cache.block_hash_chain`` over the prompt, its ``cache_salt`` included), into a
 RAM tier of at most ``cpu_bytes``. Past that, the tier's least recently used
 blocks spill to a disk tier of at most ``disk_bytes`` (one file per block
 under ``path``), whose least recently used files are deleted in turn. A block
@@ -48,7 +48,6 @@ import time
 import weakref
 import zlib
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ClassVar
@@ -57,12 +56,12 @@ import torch
 
 from fw.interfaces.kvconnector import (
     KVConnector,
-    KVConnectorScheduler,
     KVConnectorWorker,
     KVTransferReport,
+    PrefixBlockMeta,
+    PrefixBlockScheduler,
     SavedBlocks,
 )
-from fw.kv_cache import hash_block_tokens
 from fw_kvconnector_offload.spec import OffloadOptions
 
 log = logging.getLogger("fw")
@@ -70,15 +69,6 @@ log = logging.getLogger("fw")
 SUFFIX = ".fwkv"
 _MAGIC = b"FWKV"
 _HEADER = struct.Struct("<4sIIQ")  # magic, layout checksum, payload CRC-32, payload length
-
-
-def full_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The prefix hash chain over the full blocks of ``token_ids``."""
-    out, parent = [], None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size])
-        out.append(parent)
-    return out
 
 
 def block_file(root: str, block_hash: int) -> str:
@@ -230,82 +220,22 @@ class TieredStore:
                 self.drop(block_hash)
 
 
-@dataclass(frozen=True)
-class OffloadConnectorMeta:
-    """One step's transfers, as plain data."""
-
-    # (request_id, ((block_id, block_hash), ...)): fill the request's blocks from the store
-    loads: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
-    # (request_id, block_id, block_hash): keep the block in the store
-    saves: tuple[tuple[str, int, int], ...] = ()
-
-
-class OffloadScheduler(KVConnectorScheduler):
+class OffloadScheduler(PrefixBlockScheduler):
     load_async = True
 
     def __init__(self, options: OffloadOptions | None, block_size: int) -> None:
         super().__init__(options or OffloadOptions(), block_size)
         self.store = TieredStore.open(self.options)
-        self._hashes: dict[str, list[int]] = {}  # request -> hashes of its full prompt blocks
-        self._matched: dict[str, tuple[int, list[int]]] = {}  # request -> (first block index, hashes in the store)
-        self._next_save: dict[str, int] = {}  # request -> first prompt block not yet considered for saving
-        self._loads: list[tuple[str, tuple[tuple[int, int], ...]]] = []
-        self._saves: dict[int, tuple[str, int]] = {}  # hash -> (request, block id): each saved once per step
 
-    def _prompt_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
-        # Taken when the request is first seen: after a preemption token_ids holds outputs too, which are not saved.
-        if request_id not in self._hashes:
-            self._hashes[request_id] = full_block_hashes(token_ids, self.block_size)
-        return self._hashes[request_id]
+    def stored_prefix(self, hashes: list[int]) -> int:
+        count = 0
+        while count < len(hashes) and self.store.where(hashes[count]) is not None:
+            count += 1
+        return count
 
-    def get_num_new_matched_tokens(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> int:
-        self._matched.pop(request_id, None)
-        if num_computed_tokens % self.block_size:  # the store holds whole blocks only
-            return 0
-        first = num_computed_tokens // self.block_size
-        limit = (len(token_ids) - 1) // self.block_size  # the last token is computed here: its logits are needed
-        found = []
-        for block_hash in self._prompt_hashes(request_id, token_ids)[first:limit]:
-            if self.store.where(block_hash) is None:
-                break  # a prefix chain: nothing past a missing block can be used
-            found.append(block_hash)
-        if found:
-            self._matched[request_id] = (first, found)
-        return len(found) * self.block_size
-
-    def update_state_after_alloc(self, request_id: str, block_ids: list[int], num_external_tokens: int) -> None:
-        first, found = self._matched.pop(request_id, (0, []))
-        count = num_external_tokens // self.block_size
-        if count:
-            self._loads.append((request_id, tuple(zip(block_ids[first : first + count], found[:count], strict=True))))
-
-    def request_computed(
-        self, request_id: str, token_ids: Sequence[int], block_ids: list[int], num_computed_tokens: int
-    ) -> None:
-        hashes = self._prompt_hashes(request_id, token_ids)
-        start = self._next_save.get(request_id, 0)
-        end = min(num_computed_tokens // self.block_size, len(hashes))
-        for i in range(start, end):
-            # A block the store holds (loaded, or another request's) only becomes its tier's most recently used.
-            if hashes[i] not in self._saves and self.store.where(hashes[i]) is None:
-                self._saves[hashes[i]] = (request_id, block_ids[i])
-        self._next_save[request_id] = max(start, end)
-
-    def build_connector_meta(self) -> OffloadConnectorMeta:
-        meta = OffloadConnectorMeta(
-            loads=tuple(self._loads), saves=tuple((r, b, h) for h, (r, b) in self._saves.items())
-        )
-        self._loads, self._saves = [], {}
-        return meta
-
-    def request_finished(self, request_id: str, block_ids: list[int]) -> bool:
-        for state in (self._hashes, self._matched, self._next_save):
-            state.pop(request_id, None)
-        # A request that ends before its step's metadata is built (an abort) frees blocks that may be handed out
-        # again: drop its pending transfers. Saves complete within their step, so no block needs holding.
-        self._loads = [load for load in self._loads if load[0] != request_id]
-        self._saves = {h: save for h, save in self._saves.items() if save[0] != request_id}
-        return False
+    def should_save(self, block_hash: int) -> bool:
+        # A block the store holds (loaded, or another request's) only becomes its tier's most recently used.
+        return self.store.where(block_hash) is None
 
 
 @dataclass
@@ -331,7 +261,7 @@ class OffloadWorker(KVConnectorWorker):
         self.block_bytes = sum(c[:, 0].nbytes for c in kv_caches)
         self.store.bind(zlib.crc32(layout.encode()), self.block_bytes)
 
-    def start_load_kv(self, meta: OffloadConnectorMeta) -> None:
+    def start_load_kv(self, meta: PrefixBlockMeta) -> None:
         for request_id, blocks in meta.loads:
             start, reads, from_ram = time.perf_counter(), [], 0
             for block_id, block_hash in blocks:
@@ -350,7 +280,7 @@ class OffloadWorker(KVConnectorWorker):
             dst.copy_(data[offset : offset + dst.nbytes].view(dst.dtype).view(dst.shape))
             offset += dst.nbytes
 
-    def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, meta: OffloadConnectorMeta) -> None:
+    def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, meta: PrefixBlockMeta) -> None:
         if meta.saves:  # into the store in wait_for_save
             self._saved.gather(layer_idx, kv_cache, [block_id for _, block_id, _ in meta.saves], meta.saves)
 

@@ -45,12 +45,12 @@ import torch
 
 from fw.interfaces.kvconnector import (
     KVConnector,
-    KVConnectorScheduler,
     KVConnectorWorker,
     KVTransferReport,
+    PrefixBlockMeta,
+    PrefixBlockScheduler,
     SavedBlocks,
 )
-from fw.kv_cache import hash_block_tokens
 from fw_kvconnector_p2p.spec import P2POptions, SideChannelOptions
 
 log = logging.getLogger("fw")
@@ -64,15 +64,6 @@ def host_id() -> str:
     """Equal for two processes that share this host's /dev/shm (hostname and boot id)."""
     boot = Path("/proc/sys/kernel/random/boot_id")
     return f"{socket.gethostname()}/{boot.read_text().strip() if boot.exists() else ''}"
-
-
-def prefix_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The hash chain over every token but the last: full blocks, then the partial rest, if any."""
-    end, parent, out = len(token_ids) - 1, None, []
-    for start in range(0, end, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : min(start + block_size, end)])
-        out.append(parent)
-    return out
 
 
 # --- the side channel's wire format ------------------------------------------
@@ -211,28 +202,19 @@ class SideChannel:
 # --- the two halves --------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class P2PConnectorMeta:
-    """One step's transfers, as plain data (it is sent to the worker processes)."""
-
-    # (request_id, ((block_id, block_hash), ...)): pull the hashes' blocks from the producer into these blocks
-    loads: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
-    # (request_id, block_id, block_hash): keep the block for consumers
-    saves: tuple[tuple[str, int, int], ...] = ()
-
-
-class P2PScheduler(KVConnectorScheduler):
+class P2PScheduler(PrefixBlockScheduler):
     load_async = True
+    # The producer keeps the prompt's last, partial block too: a consumer computes only the prompt's last token.
+    partial_blocks = True
 
     def __init__(self, options: SideChannelOptions | None, block_size: int) -> None:
         super().__init__(options or P2POptions(), block_size)
         self._peer: socket.socket | None = None
         self._down_until = 0.0  # time.monotonic() before which the producer is not asked (it failed to answer)
-        self._matched: dict[str, tuple[int, list[int]]] = {}  # request -> (first block index, hashes held)
-        self._save_hashes: dict[str, tuple[list[int], int]] = {}  # request -> (its prompt's chain, prompt end)
-        self._next_save: dict[str, int] = {}
-        self._loads: list[tuple[str, tuple[tuple[int, int], ...]]] = []
-        self._saves: dict[int, tuple[str, int]] = {}  # hash -> (request, block id): once per step
+
+    @property
+    def loads_kv(self) -> bool:
+        return super().loads_kv and self.options.peer is not None
 
     def _ask(self, header: dict[str, Any]) -> dict[str, Any]:
         """One request on the side channel. A kept connection may have gone stale (a producer restart): then once
@@ -264,56 +246,12 @@ class P2PScheduler(KVConnectorScheduler):
                 self._peer = None
             raise
 
-    def get_num_new_matched_tokens(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> int:
-        self._matched.pop(request_id, None)
-        if self.options.role == "producer" or self.options.peer is None or num_computed_tokens % self.block_size:
-            return 0
-        first = num_computed_tokens // self.block_size
-        wanted = prefix_hashes(token_ids, self.block_size)[first:]
-        if not wanted:
-            return 0
+    def stored_prefix(self, hashes: list[int]) -> int:
         try:
-            count = int(self._ask({"op": "have", "hashes": wanted})["count"])
+            return int(self._ask({"op": "have", "hashes": hashes})["count"])
         except (OSError, KeyError, ValueError) as exc:  # an unreachable producer is a miss
             log.warning("KV connector p2p: cannot reach the producer at %s: %s", self.options.peer, exc)
             return 0
-        if not count:
-            return 0
-        self._matched[request_id] = (first, wanted[:count])
-        return min((first + count) * self.block_size, len(token_ids) - 1) - num_computed_tokens
-
-    def update_state_after_alloc(self, request_id: str, block_ids: list[int], num_external_tokens: int) -> None:
-        first, found = self._matched.pop(request_id, (0, []))
-        count = -(-num_external_tokens // self.block_size)  # the last block may be partial
-        if count:
-            self._loads.append((request_id, tuple((block_ids[first + i], h) for i, h in enumerate(found[:count]))))
-
-    def request_computed(
-        self, request_id: str, token_ids: Sequence[int], block_ids: list[int], num_computed_tokens: int
-    ) -> None:
-        if self.options.role == "consumer":
-            return
-        # The chain of the prompt as first scheduled: the blocks a consumer of this prompt asks for.
-        hashes, end = self._save_hashes.setdefault(
-            request_id, (prefix_hashes(token_ids, self.block_size), len(token_ids) - 1)
-        )
-        i = self._next_save.get(request_id, 0)
-        while i < len(hashes) and num_computed_tokens >= min((i + 1) * self.block_size, end):
-            self._saves.setdefault(hashes[i], (request_id, block_ids[i]))
-            i += 1
-        self._next_save[request_id] = i
-
-    def build_connector_meta(self) -> P2PConnectorMeta:
-        meta = P2PConnectorMeta(loads=tuple(self._loads), saves=tuple((r, b, h) for h, (r, b) in self._saves.items()))
-        self._loads, self._saves = [], {}
-        return meta
-
-    def request_finished(self, request_id: str, block_ids: list[int]) -> bool:
-        for state in (self._matched, self._save_hashes, self._next_save):
-            state.pop(request_id, None)
-        self._loads = [load for load in self._loads if load[0] != request_id]
-        self._saves = {h: save for h, save in self._saves.items() if save[0] != request_id}
-        return False  # saved blocks are copied into the buffer within their step: nothing to hold
 
 
 @dataclass
@@ -359,7 +297,7 @@ class SideChannelWorker(KVConnectorWorker):
 
     # --- consumer ---
 
-    def start_load_kv(self, meta: P2PConnectorMeta) -> None:
+    def start_load_kv(self, meta: PrefixBlockMeta) -> None:
         for request_id, blocks in meta.loads:  # only a consumer's scheduler asks for loads: it has a pool
             future = self._pool.submit(self._pull, [h for _, h in blocks])
             self._pulls[request_id] = _Pull(blocks, future, time.monotonic())
@@ -417,7 +355,7 @@ class SideChannelWorker(KVConnectorWorker):
 
     # --- producer ---
 
-    def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, meta: P2PConnectorMeta) -> None:
+    def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, meta: PrefixBlockMeta) -> None:
         if meta.saves and self.server is not None:
             self._saved.gather(layer_idx, kv_cache, [block_id for _, block_id, _ in meta.saves], meta.saves)
 
