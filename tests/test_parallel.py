@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import socket
 
@@ -211,4 +212,70 @@ def test_pipeline_parallel_is_refused_for_a_model_without_the_feature(monkeypatc
     hf_config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 4}
     assert "--pipeline-parallel-size 2: model plugin 'llama' does not declare pipeline_parallel" in (
         check(config, hf_config=hf_config).problems
+    )
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A one-node Ray cluster on 127.0.0.1, as `ray start --head` makes one; stopped by SIGTERM to its process
+    (never `ray stop`, which kills every Ray process on the machine by name)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    # Keeps the node's address, and the address this process joins at, on loopback rather than the machine's first
+    # interface. Ray reads it when imported: before the import.
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    pytest.importorskip("ray", reason="ray is not installed (pip install ray)")
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ)
+    head = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+         "--port", str(port), "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    address = f"127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while subprocess.run([str(Path(sys.executable).parent / "ray"), "status", "--address", address], env=env,
+                         capture_output=True).returncode:
+        assert head.poll() is None and time.monotonic() < deadline, "the Ray head did not start"
+        time.sleep(1)
+    yield address
+    import ray
+
+    ray.shutdown()
+    head.send_signal(signal.SIGTERM)
+    head.wait(timeout=90)
+    del os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]
+
+
+@pytest.mark.slow
+def test_ray_executor_matches_one_process(checkpoint, ray_cluster, monkeypatch):
+    """TP=2 with rank 1 a Ray actor on the cluster RAY_ADDRESS names: the same greedy tokens as one process."""
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster)
+    path = checkpoint("Qwen2ForCausalLM")
+    assert greedy(path, tensor_parallel_size=2, distributed_executor_backend="ray") == greedy(path)
+
+
+def test_ray_executor_is_refused_where_it_cannot_run(monkeypatch):
+    from fw.config import FwConfig
+    from fw.interfaces.base import Requirements
+    from fw.validate import _ray_problems
+
+    config = FwConfig(parallel={"distributed_executor_backend": "ray"})
+    assert _ray_problems(config, Requirements(device="cpu")) == (
+        [] if importlib.util.find_spec("ray") else ["--distributed-executor-backend ray needs the ray package (pip install ray)"]
+    )
+    assert "--distributed-executor-backend ray on CUDA is not implemented yet (use mp on one machine)" in _ray_problems(
+        config, Requirements(device="cuda")
+    )
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert "--distributed-executor-backend ray needs the ray package (pip install ray)" in _ray_problems(
+        config, Requirements(device="cpu")
     )

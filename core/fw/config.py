@@ -115,6 +115,11 @@ class ParallelSection(_Section):
         "tokens routed by the comm plugin's dispatch/combine) instead of splitting every expert's width.",
     )
     distributed_timeout: float = Field(120.0, gt=0, description="Seconds to wait for collectives and workers.")
+    distributed_executor_backend: Literal["mp", "ray"] = Field(
+        "mp",
+        description="How tensor/pipeline-parallel workers start: mp, processes on this machine; ray, actors on the "
+        "running Ray cluster (RAY_ADDRESS, else the local one), so that the ranks can span machines.",
+    )
 
 
 class PluginChoice(_Section):

@@ -9,6 +9,7 @@ would work instead.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -182,11 +183,24 @@ def check(
                 result.problems.append(f"{kind}.options: {_short(exc)}")
     _check_cross_slot(req, result)
     result.problems.extend(_not_implemented(config))
+    result.problems.extend(_ray_problems(config, req))
     result.problems.extend(_expert_parallel_problems(config, hf_config))
     result.problems.extend(_pipeline_parallel_problems(config, hf_config, result.selected.get("models")))
     for extra in plugins.get_plugin_manager().hook.fw_validate(config=config, requirements=req):
         result.problems.extend(extra or [])
     return result
+
+
+def _ray_problems(config: FwConfig, req: Requirements) -> list[str]:
+    if config.parallel.distributed_executor_backend != "ray":
+        return []
+    problems = []
+    if importlib.util.find_spec("ray") is None:
+        problems.append("--distributed-executor-backend ray needs the ray package (pip install ray)")
+    if req.device == "cuda":
+        # Rank 0 runs in the engine process, outside Ray's GPU accounting: a worker could be given its GPU.
+        problems.append("--distributed-executor-backend ray on CUDA is not implemented yet (use mp on one machine)")
+    return problems
 
 
 def _not_implemented(config: FwConfig) -> list[str]:
