@@ -160,6 +160,30 @@ def check_router_in_front_of(model, producer, consumer):
     assert metrics["fw:kv_load_failures_total"] == 0
 
 
+def test_a_decode_instance_killed_mid_request(model):
+    """The decode instance dies while a request streams through the router: the client's stream ends with an error
+    instead of hanging, later requests get a 503 in OpenAI's form, and the prefill instance holds no block."""
+    import signal
+
+    port = free_port()
+    serve = ("--model", str(model), "--served-model-name", "tiny", "--num-kv-blocks", "256")
+    body = {"model": "tiny", "prompt": list(range(3, 60)), "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with (fw_serve(*serve, *connector_args("p2p", role="producer", port=port)) as (prefill, _),
+          fw_serve(*serve, *connector_args("p2p", role="consumer", peer=f"127.0.0.1:{port}")) as (decode, proc),
+          fw_serve("--prefill", prefill, "--decode", decode, "--health-interval", "0.5", command="router")
+          as (router, _)):
+        with httpx.stream("POST", f"{router}/v1/completions", json=body, timeout=60) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))  # generating
+            proc.send_signal(signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert "broke off" in rest[-2] and rest[-1] == "data: [DONE]", rest[-3:]
+        after = httpx.post(f"{router}/v1/completions", json={**body, "stream": False}, timeout=60)
+        assert after.status_code == 503 and after.json()["error"]["type"] == "service_unavailable"
+        producer = metric_values(prefill)
+    assert producer["fw:kv_cache_usage_perc"] == 0 and producer["fw:num_requests_running"] == 0
+
+
 def test_a_silent_producer_costs_one_wait_not_one_per_request():
     import socket
 
