@@ -231,8 +231,8 @@ class DataParallelEngine:
         if not alive:
             raise EngineError("no data-parallel replica is running")
         least = min(alive, key=lambda r: r.in_flight)
-        warm = max(alive, key=lambda r: (r.matched(hashes), -r.in_flight))
-        return warm if warm.matched(hashes) and warm.in_flight <= least.in_flight + BALANCE else least
+        matched, warm = max(((r.matched(hashes), r) for r in alive), key=lambda m: (m[0], -m[1].in_flight))
+        return warm if matched and warm.in_flight <= least.in_flight + BALANCE else least
 
     async def generate_many(
         self, requests: Sequence[tuple[PromptType, SamplingParams, str, int]]

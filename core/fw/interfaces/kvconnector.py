@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fw.interfaces.base import Capabilities, Requirements
+from fw.kv_cache import block_hash_chain  # pure Python: listing plugins still imports no torch
 
 if TYPE_CHECKING:
     import torch
@@ -223,8 +224,6 @@ class PrefixBlockScheduler(KVConnectorScheduler):
     def _chain(self, request_id: str, token_ids: Sequence[int], cache_keys: tuple) -> tuple[list[int], int]:
         # Taken when the request is first seen: after a preemption token_ids holds outputs too, which are not saved.
         if request_id not in self._chains:
-            from fw.kv_cache import block_hash_chain
-
             end = len(token_ids) - 1 if self.partial_blocks else len(token_ids) // self.block_size * self.block_size
             self._chains[request_id] = (block_hash_chain(token_ids[:end], self.block_size, cache_keys), end)
         return self._chains[request_id]
