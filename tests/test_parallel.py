@@ -65,16 +65,18 @@ SPEC = PluginSpec(
 
 
 GREEDY_PROMPTS = [[5, 9, 14, 200, 31], [7, 7, 301, 2, 45, 46, 47, 11, 90]]
+# Four requests of different lengths, stepping together: PP=2 runs each step as two micro-batches of two.
+FOUR_PROMPTS = [*GREEDY_PROMPTS, [12, 250, 3], [88, 1, 64, 9, 17, 230, 4]]
 
 
-def greedy(path, **kwargs) -> list[list[int]]:
-    """24 greedy tokens of each of GREEDY_PROMPTS, in float32 on the CPU."""
+def greedy(path, prompts=GREEDY_PROMPTS, **kwargs) -> list[list[int]]:
+    """24 greedy tokens of each of ``prompts``, in float32 on the CPU."""
     from fw import LLM, SamplingParams
 
     llm = LLM(str(path), dtype="float32", num_kv_blocks=32, device="cpu", **kwargs)
     try:
         params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-        return [o.outputs[0].token_ids for o in llm.generate(GREEDY_PROMPTS, params, use_tqdm=False)]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         llm.shutdown()
 
@@ -117,10 +119,125 @@ def test_step_inputs_never_touch_the_data_plane(checkpoint, fake_site, monkeypat
 @pytest.mark.slow
 @pytest.mark.parametrize(("arch", "tp"), [("LlamaForCausalLM", 1), ("Qwen2ForCausalLM", 1), ("Qwen2ForCausalLM", 2)])
 def test_pipeline_parallel_matches_single_process(checkpoint, arch, tp):
-    """PP=2 (and TP=2 x PP=2, four processes): each stage holds half of the layers; hidden states and the residual
-    stream pass by send/recv; the last stage's logits reach rank 0. Greedy tokens equal one process's."""
+    """PP=2 (and TP=2 x PP=2, four processes) with four requests at once: each stage holds half of the layers and
+    runs each step as two micro-batches; hidden states and the residual stream pass by send/recv; the last stage's
+    logits reach rank 0. Greedy tokens equal one process's."""
     path = checkpoint(arch)
-    assert greedy(path, pipeline_parallel_size=2, tensor_parallel_size=tp) == greedy(path)
+    assert greedy(path, FOUR_PROMPTS, pipeline_parallel_size=2, tensor_parallel_size=tp) == greedy(path, FOUR_PROMPTS)
+
+
+@pytest.mark.slow
+def test_uneven_pipeline_split_matches_single_process(checkpoint, monkeypatch):
+    """FW_PP_LAYER_PARTITION=1,3 (vLLM's VLLM_PP_LAYER_PARTITION) on a four-layer model: the same greedy tokens."""
+    path = checkpoint("LlamaForCausalLM", num_hidden_layers=4)
+    expected = greedy(path, FOUR_PROMPTS)
+    monkeypatch.setenv("FW_PP_LAYER_PARTITION", "1,3")
+    assert greedy(path, FOUR_PROMPTS, pipeline_parallel_size=2) == expected
+
+
+# Two steps of four requests: their prompts, then one token each. (token_ids, num_computed, num_new) per step.
+MICRO_BATCH_STEPS = [
+    (sum(FOUR_PROMPTS, []), [0, 0, 0, 0], [len(p) for p in FOUR_PROMPTS]),
+    ([3, 4, 5, 6], [len(p) for p in FOUR_PROMPTS], [1, 1, 1, 1]),
+]
+SLOW_STAGE_S = 0.5  # how long the last stage lingers over its first micro-batch
+
+
+def _step_inputs(token_ids, num_computed, num_new):
+    from itertools import accumulate
+
+    from fw.scheduler import StepInputs
+
+    ends = list(accumulate(num_new))
+    return StepInputs(
+        token_ids=token_ids,
+        num_computed=num_computed,
+        num_new=num_new,
+        block_tables=[[2 * i, 2 * i + 1] for i in range(4)],
+        sample_rows=[0, 1, 2, 3],
+        logit_positions=[end - 1 for end in ends],
+        copies=[],
+    )
+
+
+def _config(path, parallel):
+    from fw.config import FwConfig
+
+    return FwConfig(
+        model={"model": path, "dtype": "float32", "device": "cpu"}, cache={"num_kv_blocks": 16}, parallel=parallel
+    )
+
+
+def _runner(config):
+    from fw.model_registry import read_hf_config
+    from fw.model_runner import ModelRunner
+    from fw.validate import check
+
+    hf_config = read_hf_config(config.model.model)
+    result = check(config, hf_config=hf_config)
+    assert not result.problems, result.problems
+    return ModelRunner(config, result, hf_config, "cpu")
+
+
+def _pipeline_worker(rank: int, init_method: str, path: str, parallel: dict, queue) -> None:
+    """A pipeline stage running MICRO_BATCH_STEPS; reports its layers, when each model call (one per micro-batch)
+    started and ended, and its logits."""
+    import time
+
+    from fw import distributed
+    from fw.executor import _join
+
+    torch.set_num_threads(1)
+    config = _config(path, parallel)
+    comm_cls = _join(config, rank, init_method, "cpu")
+    try:
+        runner = _runner(config)
+        starts, ends = [], []
+
+        def ended(*_):
+            if rank == 1 and not ends:  # the next stage is slow: the first must not wait for it
+                time.sleep(SLOW_STAGE_S)
+            ends.append(time.monotonic())
+
+        runner.model.register_forward_pre_hook(lambda *_: starts.append(time.monotonic()))
+        runner.model.register_forward_hook(ended)
+        logits = [runner.execute(_step_inputs(*step)) for step in MICRO_BATCH_STEPS]
+        queue.put((rank, list(runner.model.stage), starts, ends, logits))
+    finally:
+        distributed.destroy_parallel(comm_cls)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("partition", "stages"), [(None, [[0, 1], [2, 3]]), ([1, 3], [[0], [1, 2, 3]])])
+def test_pipeline_stages_overlap_on_micro_batches(checkpoint, partition, stages):
+    """PP=2, four requests a step: each stage runs two micro-batches a step. Stage 0 starts its second while
+    stage 1 still works on the first, and has sent the second on before stage 1 takes it (its sends do not
+    wait). The stages hold the layers of ``parallel.pp_layer_partition`` (else an even split); rank 0's logits
+    equal one process's."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    path = str(checkpoint("LlamaForCausalLM", num_hidden_layers=4))
+    parallel = {"pipeline_parallel_size": 2, "pp_layer_partition": partition}
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_pipeline_worker, args=(rank, init_method, path, parallel, queue)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    reports = {rank: rest for rank, *rest in (queue.get(timeout=120) for _ in procs)}
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    (layers0, starts0, ends0, logits), (layers1, starts1, ends1, _) = reports[0], reports[1]
+    assert [layers0, layers1] == stages
+    assert len(starts0) == len(starts1) == 2 * len(MICRO_BATCH_STEPS)  # two micro-batches a step
+    assert starts0[1] < ends1[0]  # stage 0 on micro-batch 2 while stage 1 is on micro-batch 1
+    assert ends0[1] < starts1[1]  # ... and done with it, sent on, before stage 1 asks for it
+    single = _runner(_config(path, {}))
+    with torch.inference_mode():
+        expected = [single.execute(_step_inputs(*step)) for step in MICRO_BATCH_STEPS]
+    for got, want in zip(logits, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def _kv_worker(rank: int, init_method: str, path: str, queue) -> None:
@@ -196,6 +313,50 @@ def test_pipeline_parallel_is_refused_with_more_stages_than_layers(hf_config, pr
     config = FwConfig(model={"device": "cpu"}, parallel={"pipeline_parallel_size": 2})
     found = [p for p in check(config, hf_config={"hidden_size": 64, **hf_config}).problems if "pipeline" in p]
     assert found == ([] if problem is None else [problem])
+
+
+PARTITION_FORM = "give one positive layer count per pipeline stage, comma-separated, summing to the model's 4 layers"
+
+
+@pytest.mark.parametrize(
+    ("stages", "partition", "problem"),
+    [
+        (2, [1, 3], None),
+        (2, [4], "4: 1 counts for --pipeline-parallel-size 2"),
+        (1, [2, 2], "2,2: 2 counts for --pipeline-parallel-size 1"),
+        (2, [0, 4], "0,4: a stage without layers"),
+        (2, [1, 2], "1,2: they sum to 3, not 4"),
+        (3, [2, 3], "2,3: 2 counts for --pipeline-parallel-size 3; they sum to 5, not 4"),
+    ],
+)
+def test_pipeline_layer_partition_is_refused_unless_it_splits_the_model(stages, partition, problem):
+    from fw.config import FwConfig
+    from fw.validate import check
+
+    parallel = {"pipeline_parallel_size": stages, "pp_layer_partition": partition}
+    config = FwConfig(model={"device": "cpu"}, parallel=parallel)
+    problems = check(config, hf_config={"hidden_size": 64, "num_hidden_layers": 4}).problems
+    found = [p for p in problems if "pipeline" in p]
+    prefix = "parallel.pp_layer_partition (--pp-layer-partition, FW_PP_LAYER_PARTITION) "
+    assert found == ([] if problem is None else [f"{prefix}{problem}; {PARTITION_FORM}"])
+
+
+def test_pipeline_layer_partition_comes_from_the_environment_as_vllm_spells_it(monkeypatch):
+    from fw.config import ConfigError, cli_options, load_config
+
+    assert "--pp-layer-partition" in {o.flag for o in cli_options()}
+    monkeypatch.setenv("FW_PP_LAYER_PARTITION", "1, 3")
+    resolved = load_config()
+    assert resolved.config.parallel.pp_layer_partition == [1, 3]
+    assert resolved.source("parallel.pp_layer_partition") == "env FW_PP_LAYER_PARTITION"
+    flag = load_config(cli={"parallel": {"pp_layer_partition": "2,2"}})
+    assert flag.config.parallel.pp_layer_partition == [2, 2]  # the command line wins
+    monkeypatch.setenv("FW_PARALLEL__PP_LAYER_PARTITION", "[3, 1]")
+    assert load_config().config.parallel.pp_layer_partition == [3, 1]  # the FW_SECTION__FIELD name wins
+    monkeypatch.setenv("FW_PP_LAYER_PARTITION", "1,three")
+    monkeypatch.delenv("FW_PARALLEL__PP_LAYER_PARTITION")
+    with pytest.raises(ConfigError, match=r"parallel.pp_layer_partition.*from env FW_PP_LAYER_PARTITION"):
+        load_config()
 
 
 def test_pipeline_parallel_is_refused_for_a_model_without_the_feature(monkeypatch):

@@ -69,7 +69,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         while self._running:
             # Block for work only when the engine is idle; otherwise take what is queued and step.
-            block = not self.engine.has_unfinished_requests()
+            block = not self._busy()
             try:
                 fn, future = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
             except queue.Empty:
@@ -84,6 +84,10 @@ class AsyncEngine:
                 continue
             for output in self._step():
                 self._deliver(output)
+
+    def _busy(self) -> bool:
+        """Whether the engine thread steps rather than waits for a command."""
+        return self.engine.has_unfinished_requests()
 
     def _step(self) -> list[RequestOutput]:
         """An engine step; when it fails, the requests it is pinned on fail and it runs again (module doc)."""
@@ -180,18 +184,17 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             self.engine.abort_request(request_id)
 
+    def _abort_all(self) -> None:
+        for request_id in list(self.engine.groups):
+            self.engine.abort_request(request_id)
+
     async def run(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread (for reading stats consistently)."""
         return await asyncio.wrap_future(self._call(lambda: fn(self.engine)))
 
     def shutdown(self) -> None:
         """Abort whatever still runs, stop the thread, release the engine."""
-
-        def abort_all() -> None:
-            for request_id in list(self.engine.groups):
-                self.engine.abort_request(request_id)
-
-        self._call(abort_all).result(timeout=30)
+        self._call(self._abort_all).result(timeout=30)
         self._running = False
         self._thread.join(timeout=30)
         self.engine.shutdown()

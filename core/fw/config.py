@@ -1,9 +1,10 @@
 """The configuration tree and where each value came from.
 
 Sources, later wins: field defaults < config files (``--config`` YAML/TOML,
-deep-merged in order) < ``FW_<SECTION>__<FIELD>`` environment variables <
-command-line flags. Every leaf remembers its source for ``fw config show``.
-A bad value fails naming its field path, its source and the reason.
+deep-merged in order) < ``FW_<SECTION>__<FIELD>`` environment variables
+(and the vLLM-like names of ``ENV_ALIASES``) < command-line flags. Every leaf
+remembers its source for ``fw config show``. A bad value fails naming its
+field path, its source and the reason.
 
 Command-line flags for the core sections are derived from the field names
 (``scheduler.max_num_seqs`` is ``--max-num-seqs``; a plugin slot's name is
@@ -17,6 +18,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -108,11 +110,17 @@ class ParallelSection(_Section):
     pipeline_parallel_size: int = Field(
         1, ge=1, description="Pipeline stages: the decoder layers split into contiguous runs, one per stage."
     )
+    pp_layer_partition: list[int] | None = Field(
+        None,
+        description='Decoder layers per pipeline stage, comma-separated ("1,3"), as vLLM\'s VLLM_PP_LAYER_PARTITION; '
+        "also FW_PP_LAYER_PARTITION. Unset: an even split.",
+    )
     data_parallel_size: int = Field(1, ge=1, description="Data-parallel replicas.")
     enable_expert_parallel: bool = Field(
         False,
-        description="Shard each MoE layer's experts over the tensor-parallel ranks (whole experts per rank, "
-        "tokens routed by the comm plugin's dispatch/combine) instead of splitting every expert's width.",
+        description="Shard each MoE layer's experts over the tensor- and data-parallel ranks (whole experts per rank, "
+        "tokens routed by the comm plugin's dispatch/combine) instead of splitting every expert's width; "
+        "data-parallel replicas then step in lockstep.",
     )
     distributed_timeout: float = Field(120.0, gt=0, description="Seconds to wait for collectives and workers.")
     distributed_executor_backend: Literal["mp", "ray"] = Field(
@@ -120,6 +128,12 @@ class ParallelSection(_Section):
         description="How tensor/pipeline-parallel workers start: mp, processes on this machine; ray, actors on the "
         "running Ray cluster (RAY_ADDRESS, else the local one), so that the ranks can span machines.",
     )
+
+    @field_validator("pp_layer_partition", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        # "1,3", as the environment and the command line give it
+        return [part.strip() for part in value.split(",")] if isinstance(value, str) else value
 
 
 class PluginChoice(_Section):
@@ -231,6 +245,9 @@ FLAG_ALIASES = {
     "attention.name": ("--attention-backend",),
     "server.max_num_waiting": ("--max-queue-len",),
 }
+# Environment variables outside the FW_SECTION__FIELD scheme, spelt as vLLM's (VLLM_PP_LAYER_PARTITION); the
+# FW_SECTION__FIELD one wins where both are set.
+ENV_ALIASES = {"FW_PP_LAYER_PARTITION": "parallel.pp_layer_partition"}
 
 
 @dataclass(frozen=True)
@@ -397,6 +414,11 @@ def load_config(
         env_values = EnvSettingsSource(cls, env_prefix=ENV_PREFIX, env_nested_delimiter="__")()
     except SettingsError as exc:
         raise ConfigError(f"environment: {exc} (nested fields are set as {ENV_PREFIX}SECTION__FIELD)") from None
+    for name, path in ENV_ALIASES.items():
+        if name in os.environ:
+            aliased: dict[str, Any] = {}
+            set_path(aliased, path, os.environ[name])
+            _merge(merged, aliased, f"env {name}", sources)
     env_sources: dict[str, str] = {}
     _merge(merged, env_values, "env", env_sources)
     sources.update({p: f"env {_env_name(p)}" for p in env_sources})

@@ -14,6 +14,7 @@ gloo group of the same world, because NCCL rejects the CPU tensors they are.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,10 +123,24 @@ class ControlPlane:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
+    def max(self, values: list[int]) -> list[int]:
+        """Each position's largest value over every rank's ``values``."""
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
 
 _SINGLE = SingleRank()
 _GROUPS: dict[str, Communicator] = {}
 _CONTROL: ControlPlane | None = None
+_LAYER_PARTITION: list[int] | None = None  # decoder layers per pipeline stage; None: an even split
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now, for a world's rendezvous (``tcp://HOST:PORT``)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def get_group(kind: str) -> Communicator:
@@ -149,12 +164,17 @@ def get_ep_group() -> Communicator:
 
 
 def stage_layers(num_layers: int) -> range:
-    """The contiguous decoder layers of this rank's pipeline stage: an even split, the first stages taking one
-    more where it does not divide."""
+    """The contiguous decoder layers of this rank's pipeline stage: as ``parallel.pp_layer_partition`` counts them
+    where set (validation checked it against the model), else an even split, the first stages taking one more
+    where it does not divide."""
     pp = get_pp_group()
-    per, extra = divmod(num_layers, pp.world_size)
-    start = pp.rank * per + min(pp.rank, extra)
-    return range(start, start + per + (pp.rank < extra))
+    if _LAYER_PARTITION is None:
+        per, extra = divmod(num_layers, pp.world_size)
+        counts = [per + (stage < extra) for stage in range(pp.world_size)]
+    else:
+        counts = _LAYER_PARTITION
+    start = sum(counts[: pp.rank])
+    return range(start, start + counts[pp.rank])
 
 
 def get_control_plane() -> ControlPlane | None:
@@ -175,9 +195,12 @@ def init_parallel(
     device: str,
     options=None,
     timeout_s: float = 120.0,
+    layer_partition: list[int] | None = None,
 ) -> None:
-    """Join the world with the selected comm plugin, then build the control plane and this rank's groups."""
-    global _CONTROL
+    """Join the world with the selected comm plugin, then build the control plane and this rank's groups;
+    ``layer_partition`` (``parallel.pp_layer_partition``) is what ``stage_layers`` gives each stage."""
+    global _CONTROL, _LAYER_PARTITION
+    _LAYER_PARTITION = layer_partition
     comm_cls.init_world(rank, layout.world_size, init_method, device, timeout_s)
     if not dist.is_initialized():
         raise RuntimeError(f"comm plugin {comm_cls.__name__}.init_world did not join torch.distributed's world")
@@ -190,7 +213,7 @@ def init_parallel(
 
 def destroy_parallel(comm_cls: type[Communicator]) -> None:
     """Leave the world; every group is single-rank again."""
-    global _CONTROL
+    global _CONTROL, _LAYER_PARTITION
     _GROUPS.clear()
-    _CONTROL = None
+    _CONTROL = _LAYER_PARTITION = None
     comm_cls.destroy_world()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from fw import native, plugins
+from fw import distributed, native, plugins
 from fw.config import FwConfig
 from fw.detokenizer import IncrementalDetokenizer
 from fw.executor import Executor
@@ -58,7 +58,8 @@ class LLMEngine:
         result, hf_config = model.result, model.hf_config
         if not result.ok:
             raise EngineError(result.report())
-        if config.parallel.data_parallel_size > 1:
+        # A replica of an expert-parallel front joined the replicas' world (fw.data_parallel); no other engine did.
+        if config.parallel.data_parallel_size not in (1, distributed.get_group("dp").world_size):
             raise EngineError(
                 f"--data-parallel-size {config.parallel.data_parallel_size}: an engine is one replica; "
                 "fw serve runs several (fw.data_parallel)"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 
 import torch
 
@@ -38,7 +37,7 @@ def _join(config: FwConfig, rank: int, init_method: str, device: str) -> type[Co
     spec, comm_cls = plugins.load_driver("comm", config.comm.name)
     distributed.init_parallel(
         comm_cls, rank, layout(config), init_method, device, spec.parse_options(config.comm.options),
-        config.parallel.distributed_timeout,
+        config.parallel.distributed_timeout, config.parallel.pp_layer_partition,
     )
     return comm_cls
 
@@ -51,12 +50,6 @@ def _worker(rank: int, config_data: dict, hf_config: dict, device: str, init_met
     while (inputs := control.broadcast()) is not None:
         runner.execute(inputs)
     distributed.destroy_parallel(comm_cls)
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _start_mp(world_size: int, args: tuple, init_method: str) -> list[mp.Process]:
@@ -80,7 +73,7 @@ def _start_ray(world_size: int, args: tuple) -> tuple[str, list, list]:
     import ray
 
     ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), ignore_reinit_error=True, log_to_driver=False)
-    init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port('')}"
+    init_method = f"tcp://{ray.util.get_node_ip_address()}:{distributed.free_port('')}"
     actor = ray.remote(num_cpus=1)(_RayWorker)
     actors = [actor.remote() for _ in range(1, world_size)]
     return init_method, actors, [a.run.remote(rank, *args, init_method) for rank, a in enumerate(actors, start=1)]
@@ -98,7 +91,7 @@ class Executor:
             if config.parallel.distributed_executor_backend == "ray":
                 init_method, self.ray_actors, self.ray_runs = _start_ray(self.world_size, args)
             else:
-                init_method = f"tcp://127.0.0.1:{_free_port()}"
+                init_method = f"tcp://127.0.0.1:{distributed.free_port()}"
                 self.procs = _start_mp(self.world_size, args, init_method)
             self.comm_cls = _join(config, 0, init_method, device)
         self.runner = ModelRunner(config, result, hf_config, device)

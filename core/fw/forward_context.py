@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
+    from fw.interfaces.comm import Pending
     from fw.interfaces.kvconnector import KVConnectorWorker
 
 
@@ -27,6 +28,9 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]  # one tensor per attention layer, indexed by layer_idx
     kv_connector: KVConnectorWorker | None = None
     connector_meta: Any = None  # the step's KVConnectorScheduler.build_connector_meta()
+    # Sends to the next pipeline stage still in flight (Communicator.isend handles): the runner completes them
+    # at the end of the step, so that a stage computes its next micro-batch meanwhile.
+    sends: list[Pending] = field(default_factory=list)
 
 
 _current: ForwardContext | None = None

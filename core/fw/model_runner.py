@@ -6,12 +6,16 @@ by name, so nothing but plain configuration crosses process boundaries.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
 import torch
 
 from fw import distributed, model_registry
 from fw.config import FwConfig
 from fw.forward_context import set_forward_context
 from fw.interfaces.attention import AttentionBatch
+from fw.interfaces.comm import Pending
 from fw.interfaces.kvconnector import KVTransferReport
 from fw.model_loader import iter_safetensors, load_model, resolve_dtype
 from fw.models.base import HFConfig, ModelContext
@@ -19,6 +23,20 @@ from fw.scheduler import StepInputs
 from fw.validate import CheckResult
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def micro_batches(num_new: list[int], stages: int) -> list[slice]:
+    """The step's requests as contiguous runs of about equal token counts, one per pipeline stage but at most one
+    per request; concatenated, they are the step's rows in order."""
+    count, total = min(stages, len(num_new)), sum(num_new)
+    # Each request's middle token: a run ends after the requests whose middle comes before its share of the tokens.
+    middles = [end - n / 2 for end, n in zip(itertools.accumulate(num_new), num_new, strict=True)]
+    bounds = [0]
+    for k in range(1, count):  # leaving a request for each later run
+        end = bisect.bisect_right(middles, k * total / count)
+        bounds.append(min(max(end, bounds[-1] + 1), len(num_new) - (count - k)))
+    bounds.append(len(num_new))
+    return [slice(start, end) for start, end in itertools.pairwise(bounds)]
 
 
 class ModelRunner:
@@ -87,20 +105,36 @@ class ModelRunner:
         if not inputs.num_new:  # a step that only moves KV: asynchronous loads or sends in flight
             self._finish_kv_transfers()
             return torch.empty(0, self.hf_config.vocab_size, dtype=torch.float32, device=self.device)
-        batch = AttentionBatch.build(inputs.block_tables, inputs.num_computed, inputs.num_new, self.block_size, self.device)
-        positions = torch.cat(
-            [torch.arange(c, c + n) for c, n in zip(inputs.num_computed, inputs.num_new, strict=True)]
-        ).to(self.device)
-        input_ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=self.device)
-        with set_forward_context(self.attention.prepare(batch), self.layer_caches, connector, inputs.kv_connector_meta):
-            hidden = self.model(input_ids, positions)
+        # Under pipeline parallelism the step runs as micro-batches: a stage sends one on (without waiting) and
+        # starts the next while the following stage works on it.
+        sends: list[Pending] = []
+        parts = micro_batches(inputs.num_new, distributed.get_pp_group().world_size)
+        hidden = [self._forward(inputs, part, sends) for part in parts]
+        for send in sends:
+            send.wait()
         if connector is not None:
             self._finish_kv_transfers()
         return self._logits(hidden, inputs.logit_positions)
 
-    def _logits(self, hidden: torch.Tensor, logit_positions: list[int]) -> torch.Tensor:
-        """The last pipeline stage computes the logits and sends them to the first, whose rank 0 samples; a stage in
-        between returns none (an empty tensor)."""
+    def _forward(self, inputs: StepInputs, part: slice, sends: list[Pending]) -> torch.Tensor:
+        """The model on the requests ``part`` of the step, a batch of their own; adds the sends it left in flight
+        to ``sends``."""
+        num_computed, num_new = inputs.num_computed[part], inputs.num_new[part]
+        batch = AttentionBatch.build(inputs.block_tables[part], num_computed, num_new, self.block_size, self.device)
+        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(num_computed, num_new, strict=True)])
+        first = sum(inputs.num_new[: part.start])
+        token_ids = inputs.token_ids[first : first + sum(num_new)]
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        metadata = self.attention.prepare(batch)
+        with set_forward_context(metadata, self.layer_caches, self.kv_connector, inputs.kv_connector_meta) as ctx:
+            hidden = self.model(input_ids, positions.to(self.device))
+        sends.extend(ctx.sends)
+        return hidden
+
+    def _logits(self, hidden: list[torch.Tensor], logit_positions: list[int]) -> torch.Tensor:
+        """The last pipeline stage computes the logits, from its micro-batches' hidden states in the step's row
+        order, and sends them to the first, whose rank 0 samples; a stage in between returns none (an empty
+        tensor)."""
         pp = distributed.get_pp_group()
         last = pp.world_size - 1
         if pp.rank < last:
@@ -108,7 +142,8 @@ class ModelRunner:
                               dtype=torch.float32, device=self.device)
             return pp.recv(out, last) if pp.rank == 0 else out
         rows = torch.tensor(logit_positions, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        states = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+        logits = self.model.compute_logits(states[rows])
         if logits.dtype != torch.float32:  # widening here would hide ties that rounding already made
             raise TypeError(f"{type(self.model).__name__}.compute_logits returned {logits.dtype}; logits must be float32")
         if last:

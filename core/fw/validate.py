@@ -207,14 +207,11 @@ def _not_implemented(config: FwConfig) -> list[str]:
     """Settings the configuration holds for later work: refused, never accepted and ignored."""
     parallel, connector = config.parallel, config.kv_connector.name
     refused = [
-        # Each replica is a one-process engine; replicas of several processes, or stepping in lockstep, are not.
+        # Each replica is a one-process engine; replicas of several processes are not.
         (parallel.data_parallel_size > 1
          and (parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1),
          f"--data-parallel-size (-dp) {parallel.data_parallel_size} with tensor or pipeline parallelism: "
          "replicas of several processes each"),
-        (parallel.data_parallel_size > 1 and parallel.enable_expert_parallel,
-         f"--data-parallel-size (-dp) {parallel.data_parallel_size} with --enable-expert-parallel: "
-         "replicas stepping in lockstep"),
         (parallel.data_parallel_size > 1 and connector is not None,
          f"--data-parallel-size (-dp) {parallel.data_parallel_size} with --kv-connector {connector}: "
          "a connector per replica"),
@@ -233,11 +230,25 @@ def _pipeline_parallel_problems(
     config: FwConfig, hf_config: dict[str, Any] | None, model: plugins.PluginSpec | None
 ) -> list[str]:
     stages = config.parallel.pipeline_parallel_size
+    layers = hf_config.get("num_hidden_layers", 0) if hf_config is not None else None
+    partition = config.parallel.pp_layer_partition
+    if partition is not None:
+        wrong = [
+            (len(partition) != stages, f"{len(partition)} counts for --pipeline-parallel-size {stages}"),
+            (any(n < 1 for n in partition), "a stage without layers"),
+            (layers is not None and sum(partition) != layers, f"they sum to {sum(partition)}, not {layers}"),
+        ]
+        if any(given for given, _ in wrong):
+            total = f"the model's {layers} layers" if layers is not None else "the model's layer count"
+            return [
+                f"parallel.pp_layer_partition (--pp-layer-partition, FW_PP_LAYER_PARTITION) "
+                f"{','.join(map(str, partition))}: {'; '.join(reason for given, reason in wrong if given)}; give "
+                f"one positive layer count per pipeline stage, comma-separated, summing to {total}"
+            ]
     if stages == 1 or hf_config is None:
         return []
     if model is not None and "pipeline_parallel" not in model.capabilities.features:
         return [f"--pipeline-parallel-size {stages}: model plugin {model.name!r} does not declare pipeline_parallel"]
-    layers = hf_config.get("num_hidden_layers", 0)
     if layers < stages:
         return [f"--pipeline-parallel-size {stages}: more stages than the model's {layers} layers"]
     return []
@@ -247,9 +258,12 @@ def _expert_parallel_problems(config: FwConfig, hf_config: dict[str, Any] | None
     parallel = config.parallel
     if not parallel.enable_expert_parallel:
         return []
-    ranks = parallel.tensor_parallel_size  # with -dp, which _not_implemented refuses, the EP group spans TP x DP
+    ranks = parallel.tensor_parallel_size * parallel.data_parallel_size  # the EP group spans TP x DP
     if ranks == 1:
-        return ["--enable-expert-parallel needs more than one rank to shard experts over (--tensor-parallel-size 1)"]
+        return [
+            "--enable-expert-parallel needs more than one rank to shard experts over "
+            "(--tensor-parallel-size 1, --data-parallel-size 1)"
+        ]
     if hf_config is None:
         return []
     experts = hf_config.get("num_experts") or hf_config.get("num_local_experts") or hf_config.get("n_routed_experts")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from fw.interfaces.base import Capabilities
 
@@ -55,6 +55,19 @@ class DispatchHandle:
     recv_counts: list[int]
     source: torch.Tensor  # the token of each row sent, in send order
     num_tokens: int
+
+
+class Pending(Protocol):
+    """An operation in flight; ``wait()`` returns once it is complete."""
+
+    def wait(self) -> Any: ...
+
+
+class Done:
+    """The handle of an operation that completed before it was returned."""
+
+    def wait(self) -> None:
+        pass
 
 
 class Communicator(ABC):
@@ -110,6 +123,12 @@ class Communicator(ABC):
 
     @abstractmethod
     def send(self, t: torch.Tensor, dst: int) -> None: ...
+
+    def isend(self, t: torch.Tensor, dst: int) -> Pending:
+        """Start sending ``t``, which must stay unchanged until the returned handle's ``wait()``: pipeline stages
+        send a micro-batch on while computing the next. This default sends before returning."""
+        self.send(t, dst)
+        return Done()
 
     @abstractmethod
     def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:

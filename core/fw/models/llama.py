@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from fw.distributed import get_pp_group, stage_layers
+from fw.forward_context import get_forward_context
 from fw.interfaces.attention import AttentionLayerSpec
 from fw.layers.activation import SiluAndMul
 from fw.layers.attention import Attention
@@ -158,8 +159,9 @@ class DecoderModel(nn.Module):
 
     Under pipeline parallelism ``layers`` holds this stage's layers (``stage``) among placeholders, so that
     parameter names keep their layer numbers; the stage receives the hidden states and residual stream from the
-    previous stage and sends its own to the next, and only the last applies the final norm. Every stage holds the
-    embeddings, final norm and head, so that loading and tying stay as they are: their memory is repeated.
+    previous stage and sends its own to the next without waiting (the runner completes the sends after the step),
+    and only the last applies the final norm. Every stage holds the embeddings, final norm and head, so that
+    loading and tying stay as they are: their memory is repeated.
     """
 
     def __init__(self, layers: list[nn.Module], config: HFConfig, ctx: ModelContext, stage: range) -> None:
@@ -181,8 +183,7 @@ class DecoderModel(nn.Module):
         for layer in self.layers[self.stage.start : self.stage.stop]:
             hidden, residual = layer(positions, hidden, residual)
         if pp.rank < pp.world_size - 1:
-            pp.send(hidden, pp.rank + 1)
-            pp.send(residual, pp.rank + 1)
+            get_forward_context().sends.extend(pp.isend(t, pp.rank + 1) for t in (hidden, residual))
             return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden

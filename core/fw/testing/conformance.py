@@ -22,7 +22,6 @@ has, and are skipped (saying why) when it has none.
 from __future__ import annotations
 
 import math
-import socket
 import subprocess
 import sys
 import time
@@ -35,7 +34,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fw import model_registry, plugins
+from fw import distributed, model_registry, plugins
 from fw.interfaces import attention, comm, kvconnector, quant, sampler
 from fw.interfaces.sampler import SamplingBatch
 from fw.sampling_params import SamplingParams
@@ -415,16 +414,10 @@ class QuantConformance(PluginConformance):
                 self._compare(model, reference, device, dtype, _ROUNDING[dtype], f"{fmt} checkpoint, {dtype}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # Every collective of fw.interfaces.comm.Communicator that _comm_worker exercises; the suite fails when the
 # interface grows one that is not in this list.
 EXERCISED = frozenset(
-    {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv", "barrier",
+    {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "isend", "recv", "barrier",
      "exchange_counts", "dispatch", "combine", "new_groups"}
 )
 
@@ -454,6 +447,12 @@ def _comm_worker(rank: int, world: int, port: int, kind: str, name: str, options
     else:
         results["recv"] = group.recv(buf, src=0).tolist()
         group.send(torch.tensor([9.0, 6.0]), dst=0)
+    # isend: two in flight at once, completed by their handles, received in order.
+    if rank == 0:
+        for pending in [group.isend(torch.tensor([float(i), 1.0]), dst=1) for i in (3, 4)]:
+            pending.wait()
+    else:
+        results["isend"] = [group.recv(torch.zeros(2), src=0).tolist() for _ in range(2)]
     # Each rank alone in a group of its own: a sum over it is the rank's own value.
     alone = impl.new_groups([[r] for r in range(world)], rank, "cpu", spec.parse_options(options))
     results["new_groups"] = (alone.ranks, alone.rank, alone.all_reduce(torch.ones(1)).tolist())
@@ -491,7 +490,7 @@ class CommConformance(PluginConformance):
 
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
-        port = _free_port()
+        port = distributed.free_port()
         procs = [
             ctx.Process(target=_comm_worker, args=(r, 2, port, self.kind, self.plugin, self.options, queue))
             for r in range(2)
@@ -511,6 +510,7 @@ class CommConformance(PluginConformance):
         assert r1["all_to_all"] == [1.0, 2.0, 13.0]
         assert r0["broadcast"] == r1["broadcast"] == [1.0] and r0["broadcast_0"] == r1["broadcast_0"] == [5.0]
         assert r0["recv"] == [9.0, 6.0] and r1["recv"] == [7.0, 8.0]
+        assert r1["isend"] == [[3.0, 1.0], [4.0, 1.0]]
         assert r0["new_groups"] == ([0], 0, [1.0]) and r1["new_groups"] == ([1], 0, [1.0])
         assert r0["dispatch_rows"] == r1["dispatch_rows"] == 4  # each token once per rank owning its experts
         assert r0["dispatch_local"] and r1["dispatch_local"]  # local expert ids, -1 (weight 0) for others'

@@ -72,6 +72,9 @@ class TorchDistributed(Communicator):
     def send(self, t, dst):
         dist.send(t.contiguous(), dst=self._global(dst), group=self.group)
 
+    def isend(self, t, dst):
+        return dist.isend(t.contiguous(), dst=self._global(dst), group=self.group)
+
     def recv(self, t, src):
         dist.recv(t, src=self._global(src), group=self.group)
         return t
