@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -127,10 +128,11 @@ def connector_args(connector, **options):
     return tuple(args)
 
 
-def test_router_in_front_of_prefill_and_decode_instances(model):
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_router_in_front_of_prefill_and_decode_instances(model, transport):
     port = free_port()
     check_router_in_front_of(model, connector_args("p2p", role="producer", port=port),
-                             connector_args("p2p", role="consumer", peer=f"127.0.0.1:{port}"))
+                             connector_args("p2p", role="consumer", peer=f"127.0.0.1:{port}", transport=transport))
 
 
 def check_router_in_front_of(model, producer, consumer):
@@ -182,6 +184,77 @@ def test_a_decode_instance_killed_mid_request(model):
         assert after.status_code == 503 and after.json()["error"]["type"] == "service_unavailable"
         producer = metric_values(prefill)
     assert producer["fw:kv_cache_usage_perc"] == 0 and producer["fw:num_requests_running"] == 0
+
+
+SLOW_GET = """
+import os, time
+from fw_kvconnector_p2p import connector
+
+def _answer(self, conn, header, _real=connector.SideChannel._answer):
+    if header.get("op") == "get":
+        open(os.environ["FW_TEST_PULL_MARK"], "w").close()
+        time.sleep(3)
+    return _real(self, conn, header)
+
+connector.SideChannel._answer = _answer
+"""
+
+
+def test_a_decode_instance_killed_during_a_transfer(model, tmp_path):
+    """The decode instance dies while it pulls a prompt's KV (the producer holds the pull for 3 s): the client gets
+    an error instead of hanging, the prefill instance holds no block and keeps serving, and the dead consumer's
+    shared-memory file does not outlive it."""
+    import signal
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_GET)
+    mark = tmp_path / "pulling"
+    slow = {"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]),
+            "FW_TEST_PULL_MARK": str(mark)}
+    port = free_port()
+    serve = ("--model", str(model), "--served-model-name", "tiny", "--num-kv-blocks", "256")
+    body = {"model": "tiny", "prompt": list(range(3, 60)), "max_tokens": 4, "ignore_eos": True}
+    with (fw_serve(*serve, *connector_args("p2p", role="producer", port=port), env=slow) as (prefill, pproc),
+          fw_serve(*serve, *connector_args("p2p", role="consumer", peer=f"127.0.0.1:{port}", transport="shm"))
+          as (decode, proc),
+          fw_serve("--prefill", prefill, "--decode", decode, "--health-interval", "0.5", command="router")
+          as (router, _)):
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(httpx.post, f"{router}/v1/completions", json=body, timeout=60)
+            deadline = time.monotonic() + 60
+            while not mark.exists():
+                assert time.monotonic() < deadline and not reply.done(), "the decode instance never pulled"
+                time.sleep(0.05)
+            files = list(p2p.SHM_DIR.glob(f"{p2p.SHM_PREFIX}{proc.pid}-*"))
+            assert files  # the pull's file, which the consumer would have removed
+            proc.send_signal(signal.SIGKILL)
+            assert reply.result().status_code >= 500
+        time.sleep(3.5)  # the producer's held answer finds the consumer gone
+        assert not any(f.exists() for f in files)
+        producer = metric_values(prefill)
+        assert producer["fw:kv_cache_usage_perc"] == 0 and producer["fw:num_requests_running"] == 0
+        try:
+            again = httpx.post(f"{prefill}/v1/completions", json=body, timeout=60)
+        except httpx.TimeoutException:
+            pytest.fail(f"the prefill instance stopped answering; its log ends: {pproc.log()[-3000:]}")
+        assert again.status_code == 200
+
+
+def test_a_dead_consumers_shared_memory_files_are_swept():
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = p2p.SHM_DIR / f"{p2p.SHM_PREFIX}{int(dead.stdout)}-x"
+    live = p2p.SHM_DIR / f"{p2p.SHM_PREFIX}{os.getpid()}-x"
+    for path in (stale, live):
+        path.write_bytes(b"kv")
+    try:
+        p2p.P2PWorker(None)  # a consumer starting (transport auto) sweeps
+        assert not stale.exists() and live.exists()
+    finally:
+        for path in (stale, live):
+            path.unlink(missing_ok=True)
 
 
 def test_a_silent_producer_costs_one_wait_not_one_per_request():

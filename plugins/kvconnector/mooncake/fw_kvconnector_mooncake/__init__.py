@@ -1,1 +1,2 @@
-"""fw's KV connector over Mooncake's Transfer Engine: prompt KV from a prefill instance to a decode instance."""
+"""fw's KV connector over Mooncake: prompt KV between instances, point to point (Transfer Engine) or through a
+Mooncake Store pool."""

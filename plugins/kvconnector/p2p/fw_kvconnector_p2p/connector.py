@@ -93,6 +93,25 @@ def recv_message(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
     return header, _recv_exact(sock, header["payload"])
 
 
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the peer closed its end (a peek that would otherwise wait finds the end of the stream)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def sweep_shm() -> None:
+    """Remove the /dev/shm files of consumers that died mid-pull, where the producer could not tell (their pid
+    follows the prefix)."""
+    for path in SHM_DIR.glob(f"{SHM_PREFIX}*-*") if SHM_DIR.is_dir() else ():
+        pid = path.name[len(SHM_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+
+
 def _connect(peer: str, timeout: float) -> socket.socket:
     host, _, port = peer.rpartition(":")
     return socket.create_connection((host, int(port)), timeout=timeout)
@@ -191,8 +210,11 @@ class SideChannel:
                     f.write(block)
         except OSError as exc:
             send_message(conn, {"error": f"shm: {exc}"})
-        else:
-            send_message(conn, {"ok": True})
+            return
+        if _hung_up(conn):  # the consumer died mid-pull: nobody else would free its memory
+            path.unlink(missing_ok=True)
+            return
+        send_message(conn, {"ok": True})
 
     def close(self) -> None:
         self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone leaves it listening)
@@ -375,6 +397,8 @@ class P2PWorker(SideChannelWorker):
     def __init__(self, options: P2POptions | None) -> None:
         super().__init__(options or P2POptions())
         self._shm = self.options.transport != "tcp"  # "auto" drops it for good once the producer cannot use it
+        if self._shm:
+            sweep_shm()
 
     def _fetch(self, sock: socket.socket, hello: dict[str, Any], hashes: list[int], nbytes: int) -> bytearray:
         same_host = hello["host"] == host_id() and SHM_DIR.is_dir()
@@ -390,7 +414,7 @@ class P2PWorker(SideChannelWorker):
 
     def _pull_shm(self, sock: socket.socket, hashes: list[int], nbytes: int) -> bytearray | None:
         """Through a /dev/shm file the producer writes; None when it cannot (then TCP, unless shm was asked for)."""
-        fd, path = tempfile.mkstemp(dir=SHM_DIR, prefix=SHM_PREFIX)
+        fd, path = tempfile.mkstemp(dir=SHM_DIR, prefix=f"{SHM_PREFIX}{os.getpid()}-")
         try:
             os.ftruncate(fd, nbytes)
             send_message(sock, {"op": "get", "hashes": hashes, "shm": os.path.basename(path)})
