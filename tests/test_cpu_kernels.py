@@ -3,7 +3,10 @@ model end to end on the kernels chosen for this CPU (each candidate alone: tests
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -204,3 +207,18 @@ def test_each_version_of_a_kernel_source_builds_in_its_own_folder(tmp_path, monk
     first = native.build_directory("fw_x", a)
     assert first == native.build_directory("fw_x", a) and first.is_dir() and first.parent == tmp_path / "ext"
     assert native.build_directory("fw_x", b) != first
+
+
+def test_a_build_killed_midway_does_not_block_the_next_start(tmp_path):
+    """torch's lock file outlives a build that was killed: the next load must not wait on it forever."""
+    from fw import native
+
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "FW_NATIVE": "1"}
+    source = tmp_path / "k.cpp"
+    source.write_text("// an empty library\n")
+    script = f"from pathlib import Path; from fw import native; print(native.load('fw_test_stale', Path({str(source)!r})))"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCH_EXTENSIONS_DIR", env["TORCH_EXTENSIONS_DIR"])
+        (native.build_directory("fw_test_stale", source) / "lock").touch()  # what the killed build left
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
+    assert result.stdout.strip() == "True", result.stderr
