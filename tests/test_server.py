@@ -233,6 +233,20 @@ def test_bench_serve_against_fw_serve(server, tmp_path):
     assert data["completed"] == 8 and data["failed"] == 0
     assert data["output_throughput"] > 0 and data["ttft_ms_p50"] <= data["e2e_ms_p50"]
     assert "tpot_ms_p99" in result.stdout
+    assert data["output_tokens"] == 8 * 6
+
+
+def test_bench_serve_mixed_lengths(server, tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "fw_cli", "bench", "serve", "--base-url", f"{server}/v1", "--num-prompts", "8",
+         "--input-len", "8", "--output-len", "6", "--random-range-ratio", "0.5", "--seed", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    # Outputs of 3 to 9 tokens (ignore_eos), not all 6: seed 1 draws 62 in all.
+    assert data["completed"] == 8 and 8 * 3 <= data["output_tokens"] <= 8 * 9 and data["output_tokens"] != 8 * 6
 
 
 @pytest.mark.parametrize("kind", ["latency", "throughput"])

@@ -208,6 +208,9 @@ async def _one_request(client, url: str, body: dict) -> dict:
 @click.option("--random-ids", "vocab_size", type=click.IntRange(min=1), default=None, metavar="VOCAB_SIZE",
               help="Prompts of --input-len random token ids below VOCAB_SIZE, as the offline benches send, not words.")
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--random-range-ratio", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
+              help="Mixed lengths: each prompt's and output's length drawn uniformly within this fraction of "
+                   "--input-len and --output-len.")
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=None, help="Requests in flight at most.")
 @click.option("--request-rate", type=float, default=float("inf"), show_default=True,
               help="Poisson arrivals per second (inf: all at once, bounded by --max-concurrency).")
@@ -216,8 +219,8 @@ async def _one_request(client, url: str, body: dict) -> dict:
 @click.option("--api-key", default=None, envvar="OPENAI_API_KEY")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the result here.")
-def serve_bench(base_url, model_name, num_prompts, input_len, vocab_size, output_len, max_concurrency, request_rate,
-                slo_ttft_ms, slo_tpot_ms, api_key, seed, json_path) -> None:
+def serve_bench(base_url, model_name, num_prompts, input_len, vocab_size, output_len, random_range_ratio,
+                max_concurrency, request_rate, slo_ttft_ms, slo_tpot_ms, api_key, seed, json_path) -> None:
     """Load an OpenAI-compatible server (ours, vLLM's, SGLang's) with streaming completions."""
     import asyncio
 
@@ -226,6 +229,9 @@ def serve_bench(base_url, model_name, num_prompts, input_len, vocab_size, output
     rng = random.Random(seed)
     words = ["alpha", "river", "stone", "quiet", "metal", "orange", "window", "seven", "cloud", "paper"]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def length(mean: int) -> int:
+        return max(1, round(mean * rng.uniform(1 - random_range_ratio, 1 + random_range_ratio)))
 
     async def run() -> tuple[list[dict], float]:
         async with httpx.AsyncClient(timeout=httpx.Timeout(600), headers=headers,
@@ -240,12 +246,13 @@ def serve_bench(base_url, model_name, num_prompts, input_len, vocab_size, output
             tasks, start = [], time.perf_counter()
             with click.progressbar(length=num_prompts, label="requests", file=click.get_text_stream("stderr")) as bar:
                 for _ in range(num_prompts):
+                    n = length(input_len)
                     if vocab_size:
-                        prompt = [rng.randrange(vocab_size) for _ in range(input_len)]
+                        prompt = [rng.randrange(vocab_size) for _ in range(n)]
                     else:
-                        prompt = " ".join(rng.choice(words) for _ in range(input_len))
+                        prompt = " ".join(rng.choice(words) for _ in range(n))
                     body = {"model": name, "prompt": prompt,
-                            "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+                            "max_tokens": length(output_len), "temperature": 0, "ignore_eos": True, "stream": True,
                             "stream_options": {"include_usage": True}}
                     tasks.append(asyncio.create_task(guarded(body)))
                     if request_rate != float("inf"):
