@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -165,8 +167,6 @@ def check_router_in_front_of(model, producer, consumer):
 def test_a_decode_instance_killed_mid_request(model):
     """The decode instance dies while a request streams through the router: the client's stream ends with an error
     instead of hanging, later requests get a 503 in OpenAI's form, and the prefill instance holds no block."""
-    import signal
-
     port = free_port()
     serve = ("--model", str(model), "--served-model-name", "tiny", "--num-kv-blocks", "256")
     body = {"model": "tiny", "prompt": list(range(3, 60)), "max_tokens": 400, "ignore_eos": True, "stream": True}
@@ -200,12 +200,11 @@ connector.SideChannel._answer = _answer
 """
 
 
-def test_a_decode_instance_killed_during_a_transfer(model, tmp_path):
-    """The decode instance dies while it pulls a prompt's KV (the producer holds the pull for 3 s): the client gets
-    an error instead of hanging, the prefill instance holds no block and keeps serving, and the dead consumer's
-    shared-memory file does not outlive it."""
-    import signal
-
+@contextmanager
+def a_pull_in_flight(model, tmp_path, body):
+    """A prefill instance that holds every pull for 3 s, a decode instance, `fw router` before them, and ``body``
+    sent through the router until the decode instance pulls its KV: yields (prefill URL, prefill process, decode
+    URL, decode process, the reply's future)."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_GET)
     mark = tmp_path / "pulling"
@@ -213,31 +212,53 @@ def test_a_decode_instance_killed_during_a_transfer(model, tmp_path):
             "FW_TEST_PULL_MARK": str(mark)}
     port = free_port()
     serve = ("--model", str(model), "--served-model-name", "tiny", "--num-kv-blocks", "256")
-    body = {"model": "tiny", "prompt": list(range(3, 60)), "max_tokens": 4, "ignore_eos": True}
     with (fw_serve(*serve, *connector_args("p2p", role="producer", port=port), env=slow) as (prefill, pproc),
           fw_serve(*serve, *connector_args("p2p", role="consumer", peer=f"127.0.0.1:{port}", transport="shm"))
-          as (decode, proc),
+          as (decode, dproc),
           fw_serve("--prefill", prefill, "--decode", decode, "--health-interval", "0.5", command="router")
-          as (router, _)):
-        with ThreadPoolExecutor(1) as pool:
-            reply = pool.submit(httpx.post, f"{router}/v1/completions", json=body, timeout=60)
-            deadline = time.monotonic() + 60
-            while not mark.exists():
-                assert time.monotonic() < deadline and not reply.done(), "the decode instance never pulled"
-                time.sleep(0.05)
-            files = list(p2p.SHM_DIR.glob(f"{p2p.SHM_PREFIX}{proc.pid}-*"))
-            assert files  # the pull's file, which the consumer would have removed
-            proc.send_signal(signal.SIGKILL)
-            assert reply.result().status_code >= 500
+          as (router, _),
+          ThreadPoolExecutor(1) as pool):
+        reply = pool.submit(httpx.post, f"{router}/v1/completions", json=body, timeout=60)
+        deadline = time.monotonic() + 60
+        while not mark.exists():
+            assert time.monotonic() < deadline and not reply.done(), "the decode instance never pulled"
+            time.sleep(0.05)
+        yield prefill, pproc, decode, dproc, reply
+
+
+PULLED = {"model": "tiny", "prompt": list(range(3, 60)), "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+
+
+def test_a_decode_instance_killed_during_a_transfer(model, tmp_path):
+    """The decode instance dies while it pulls: the client gets an error instead of hanging, the prefill instance
+    holds no block and keeps serving, and the dead consumer's shared-memory file does not outlive it."""
+    with a_pull_in_flight(model, tmp_path, PULLED) as (prefill, pproc, _, dproc, reply):
+        files = list(p2p.SHM_DIR.glob(f"{p2p.SHM_PREFIX}{dproc.pid}-*"))
+        assert files  # the pull's file, which the consumer would have removed
+        dproc.send_signal(signal.SIGKILL)
+        assert reply.result().status_code >= 500
         time.sleep(3.5)  # the producer's held answer finds the consumer gone
         assert not any(f.exists() for f in files)
         producer = metric_values(prefill)
         assert producer["fw:kv_cache_usage_perc"] == 0 and producer["fw:num_requests_running"] == 0
         try:
-            again = httpx.post(f"{prefill}/v1/completions", json=body, timeout=60)
+            again = httpx.post(f"{prefill}/v1/completions", json=PULLED, timeout=60)
         except httpx.TimeoutException:
             pytest.fail(f"the prefill instance stopped answering; its log ends: {pproc.log()[-3000:]}")
         assert again.status_code == 200
+
+
+def test_a_prefill_instance_killed_before_it_sends(model, tmp_path):
+    """The prefill instance dies holding a pull: the decode instance computes the prompt itself, answers as it
+    would alone, and holds no block afterwards."""
+    with a_pull_in_flight(model, tmp_path, PULLED) as (_, pproc, decode, _, reply):
+        pproc.send_signal(signal.SIGKILL)
+        assert reply.result().status_code == 200
+        alone = httpx.post(f"{decode}/v1/completions", json=PULLED, timeout=60)
+        assert reply.result().json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+        consumer = metric_values(decode)
+    assert consumer["fw:kv_load_failures_total"] == 1
+    assert consumer["fw:kv_cache_usage_perc"] == 0 and consumer["fw:num_requests_running"] == 0
 
 
 def test_a_dead_consumers_shared_memory_files_are_swept():
