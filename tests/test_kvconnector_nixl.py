@@ -175,15 +175,18 @@ def test_router_in_front_of_nixl_prefill_and_decode_instances(model):
 
 @needs_nixl
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the plugin sets UCX_MODULES only without CUDA")
-def test_a_process_that_ran_an_agent_exits_cleanly():
-    """UCX's InfiniBand module crashes a process at exit on a host without RDMA: the plugin keeps it out."""
+def test_a_process_that_ran_an_agent_exits_cleanly_and_an_idle_agent_takes_no_cpu():
+    """UCX's InfiniBand module crashes a process at exit on a host without RDMA: the plugin keeps it out. NIXL's
+    progress thread would poll UCX without pause, a whole core for as long as an instance runs: there is none."""
     code = (
-        "from fw_kvconnector_nixl.connector import start_agent; from fw_kvconnector_nixl.spec import NixlOptions; "
-        "start_agent(NixlOptions())"
+        "import time; from fw_kvconnector_nixl.connector import start_agent; "
+        "from fw_kvconnector_nixl.spec import NixlOptions; agent = start_agent(NixlOptions()); "
+        "start = time.process_time(); time.sleep(1); print(time.process_time() - start)"
     )
     env = {name: value for name, value in os.environ.items() if name != "UCX_MODULES"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+    assert float(result.stdout.split()[-1]) < 0.5  # CPU seconds in one idle second
 
 
 @needs_nixl

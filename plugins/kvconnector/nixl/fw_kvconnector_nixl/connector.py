@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import select
 import socket
 import time
 import uuid
@@ -53,7 +54,10 @@ from fw_kvconnector_p2p.connector import (  # noqa: E402
     send_message,
 )
 
-POLL_SECONDS = 0.0005  # between checks of a read in flight: the progress thread moves it, a busy loop would slow it
+# NIXL's progress thread polls UCX without pause (a whole core, even idle), so there is none: each side moves UCX
+# only while a pull is in flight, the consumer checking its read, the producer asking for notifications (which
+# progresses its worker: a read over TCP needs this side to move) between waits of this long for ``done``.
+POLL_SECONDS = 0.0005
 
 
 def loopback(host: str) -> bool:
@@ -71,7 +75,7 @@ def start_agent(options: NixlOptions) -> nixl_agent:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
     config = nixl_agent_config(
         backends=[options.backend],
-        enable_prog_thread=True,  # moves reads on while a pull thread sleeps between polls
+        enable_prog_thread=False,  # see POLL_SECONDS
         # The side channel carries the metadata: no listener. Its connection threads and the pull threads call
         # the one agent at once: every call is serialised (without a listener NIXL's default is no locking).
         enable_listen_thread=False,
@@ -115,6 +119,11 @@ class NixlSideChannel(SideChannel):
             send_message(conn, {"agent": self.agent.name, "addresses": addresses}, metadata)
             # Past ``hold`` the consumer has given up on this pull and cancelled its read (its clock started
             # first): the registrations can go. A timeout or a hang-up raises, and _serve drops the connection.
+            deadline = time.monotonic() + float(header["hold"])
+            while not select.select([conn], [], [], POLL_SECONDS)[0]:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no done from the consumer in {header['hold']} s")
+                self.agent.get_new_notifs()
             conn.settimeout(float(header["hold"]))
             recv_message(conn)  # done
             conn.settimeout(None)
@@ -156,8 +165,7 @@ class NixlWorker(SideChannelWorker):
             try:
                 state = agent.transfer(read)
                 while state == "PROC" and time.monotonic() < deadline:
-                    time.sleep(POLL_SECONDS)
-                    state = agent.check_xfer_state(read)
+                    state = agent.check_xfer_state(read)  # progresses UCX
             finally:
                 self._release(read, data)
         finally:
