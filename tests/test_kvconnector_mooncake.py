@@ -21,9 +21,12 @@ from test_kvconnector_p2p import (
     PROMPTS,
     P2PConformance,
     assert_computed_and_freed,
+    check_refused_read_and_producer_gone,
     check_router_in_front_of,
+    check_staged_loads,
     connector_args,
     p2p_llm,
+    settled,
 )
 
 from conftest import free_port
@@ -72,50 +75,14 @@ def producer_with(model, prompts, **registrations):
     return producer, port, server.engine
 
 
-def settled(registrations, staged, within=5.0):
-    """Waits for ``staged`` copies to have been made and dropped (a copy goes when its consumer hangs up, a moment
-    after the pull ended); returns how many were made and how many are still held."""
-    deadline = time.monotonic() + within
-    while (registrations.staged < staged or registrations.held) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return registrations.staged, len(registrations.held)
-
-
 @needs_mooncake
 def test_decode_engine_loads_through_mooncake_and_computes_only_the_last_prompt_token(model, reference):
-    producer, port, registrations = producer_with(model, PROMPTS)
-    consumer = mooncake_llm(model, role="consumer", peer=f"127.0.0.1:{port}", prefix_caching=False)
-    outputs = consumer.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == reference
-    # Every prompt token but the last came from the producer, one Transfer Engine read per prompt.
-    assert [o.num_cached_tokens for o in outputs] == [len(p["prompt_token_ids"]) - 1 for p in PROMPTS]
-    stats = consumer.llm_engine.scheduler.connector_stats
-    assert stats.hits == sum(len(p["prompt_token_ids"]) - 1 for p in PROMPTS) and stats.failed_loads == 0
-    assert settled(registrations, len(PROMPTS)) == (len(PROMPTS), 0)
-    assert consumer.llm_engine.kv.num_free_blocks() == producer.llm_engine.kv.num_free_blocks() == 64
+    check_staged_loads(model, reference, producer_with, mooncake_llm)
 
 
 @needs_mooncake
 def test_a_failed_read_or_a_producer_gone_is_computed_and_nothing_leaks(model, reference):
-    producer, port, registrations = producer_with(model, PROMPTS[:1], refuse=True)
-    consumer = mooncake_llm(model, role="consumer", peer=f"127.0.0.1:{port}", prefix_caching=False)
-    # The lookup finds the blocks, the producer stages them, Mooncake's read is refused: the request computes.
-    outputs = consumer.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
-    assert_computed_and_freed(outputs, reference, consumer, producer)
-    assert settled(registrations, 1) == (1, 0)
-
-    # Reads work again, but the producer is gone between the lookup and the pull.
-    registrations.refuse = False
-    worker = consumer.llm_engine.executor.runner.kv_connector
-    start_load_kv = worker.start_load_kv
-
-    def producer_dies_first(meta):
-        if meta.loads:
-            producer.llm_engine.shutdown()
-        start_load_kv(meta)
-
-    worker.start_load_kv = producer_dies_first
-    assert_computed_and_freed(consumer.generate(PROMPTS[:1], GREEDY, use_tqdm=False), reference, consumer, producer, 2)
+    check_refused_read_and_producer_gone(model, reference, producer_with, mooncake_llm)
 
 
 @needs_mooncake

@@ -278,6 +278,51 @@ def test_a_dead_consumers_shared_memory_files_are_swept():
             path.unlink(missing_ok=True)
 
 
+def settled(registrations, staged, within=5.0):
+    """Waits for ``staged`` copies to have been made and dropped (a copy goes when its consumer hangs up, a moment
+    after the pull ended); returns how many were made and how many are still held."""
+    deadline = time.monotonic() + within
+    while (registrations.staged < staged or registrations.held) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return registrations.staged, len(registrations.held)
+
+
+def check_staged_loads(model, reference, producer_with, make_llm):
+    """A consumer loads every prompt's blocks but the last token's from a producer that stages them for a transfer
+    library (``producer_with(model, prompts, **registrations)``: the producer, its port, its staging record;
+    ``make_llm``: an engine with the connector): one staging per prompt, all released, nothing held."""
+    producer, port, registrations = producer_with(model, PROMPTS)
+    consumer = make_llm(model, role="consumer", peer=f"127.0.0.1:{port}", prefix_caching=False)
+    outputs = consumer.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert [o.num_cached_tokens for o in outputs] == [len(p["prompt_token_ids"]) - 1 for p in PROMPTS]
+    stats = consumer.llm_engine.scheduler.connector_stats
+    assert stats.hits == sum(len(p["prompt_token_ids"]) - 1 for p in PROMPTS) and stats.failed_loads == 0
+    assert settled(registrations, len(PROMPTS)) == (len(PROMPTS), 0)
+    assert consumer.llm_engine.kv.num_free_blocks() == producer.llm_engine.kv.num_free_blocks() == 64
+
+
+def check_refused_read_and_producer_gone(model, reference, producer_with, make_llm):
+    """The library refuses the staged read, then the producer is gone between the lookup and the pull: each time
+    the request computes its prompt and nothing leaks."""
+    producer, port, registrations = producer_with(model, PROMPTS[:1], refuse=True)
+    consumer = make_llm(model, role="consumer", peer=f"127.0.0.1:{port}", prefix_caching=False)
+    outputs = consumer.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert_computed_and_freed(outputs, reference, consumer, producer)
+    assert settled(registrations, 1) == (1, 0)
+    registrations.refuse = False
+    worker = consumer.llm_engine.executor.runner.kv_connector
+    start_load_kv = worker.start_load_kv
+
+    def producer_dies_first(meta):
+        if meta.loads:
+            producer.llm_engine.shutdown()
+        start_load_kv(meta)
+
+    worker.start_load_kv = producer_dies_first
+    assert_computed_and_freed(consumer.generate(PROMPTS[:1], GREEDY, use_tqdm=False), reference, consumer, producer, 2)
+
+
 def test_a_silent_producer_costs_one_wait_not_one_per_request():
     import socket
 
