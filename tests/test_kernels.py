@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -12,7 +13,9 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from fw import kernels
+from fw.interfaces.attention import AttentionLayerSpec
 from fw.layers import dense
+from fw_attention_torch import backend as torch_attention
 from fw_quant_fp8 import method as fp8_method
 from fw_quant_fp8.numerics import E4M3, INT8, quantize_rows
 from fw_quant_gguf import method as gguf_method
@@ -76,7 +79,7 @@ def test_the_fastest_candidate_per_row_class_runs_and_is_cached(cache, monkeypat
     stored = json.loads(cache.read_text())
     (entry,) = stored["machines"].values()
     assert entry["machine"]["cpu"] == kernels.machine()["cpu"]
-    assert entry["choices"][fake.op.name] == {"('k',)": ["a", "b"]}
+    assert entry["choices"][fake.op.name] == {"('k',)": {"names": ["a", "b"], "among": ["a", "b"]}}
 
 
 def test_selection_is_deterministic_given_a_cache_file(cache, monkeypatch):
@@ -99,8 +102,8 @@ def test_another_machine_measures_again(cache, monkeypatch):
     assert len(json.loads(cache.read_text())["machines"]) == 2
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"version": 1, "machines": []}', "[1, 2]", '{"version": 0}',
-                                     '{"version": 1, "machines": {"x": 1}}'])
+@pytest.mark.parametrize("content", ["{not json", '{"version": 2, "machines": []}', "[1, 2]", '{"version": 0}',
+                                     '{"version": 2, "machines": {"x": 1}}', '{"version": 1, "machines": {}}'])
 def test_a_corrupt_cache_file_is_ignored_and_rebuilt(cache, monkeypatch, content, caplog):
     cache.write_text(content)
     kernels._CACHE._data = None
@@ -131,8 +134,22 @@ def test_other_processes_share_excludes_this_process(monkeypatch):
 
 def test_a_cached_name_no_longer_registered_is_measured_again(cache, monkeypatch):
     fake = _Fake(monkeypatch, {"a": {1: 1.0, 32: 1.0}, "b": {1: 2.0, 32: 2.0}})
-    kernels._CACHE.store(fake.op.name, ("k",), ("gone", "gone"))
+    kernels._CACHE.store(fake.op.name, ("k",), ("gone", "gone"), {"gone": None})
     assert fake.select().names == ("a", "a")
+
+
+def test_a_choice_made_among_fewer_candidates_is_measured_again_once_more_can_run(cache, monkeypatch):
+    # As with FW_NATIVE=0 or a failed native build: only the slow candidate could run, and its choice was cached.
+    fake = _Fake(monkeypatch, {"slow": {1: 9.0, 32: 9.0}, "native": {1: 1.0, 32: 1.0}})
+    native = fake.op.candidates["native"]
+    fake.op.candidates["native"] = dataclasses.replace(native, supports=lambda key: False)
+    assert fake.select().names == ("slow", "slow")
+    fake.op.candidates["native"] = native  # it builds now
+    kernels._CACHE._data = None  # a new process
+    assert fake.select().names == ("native", "native")
+    kernels._CACHE._data = None
+    fake.runs = dict.fromkeys(fake.runs, 0)
+    assert fake.select().names == ("native", "native") and fake.runs == {"slow": 0, "native": 0}  # cached
 
 
 def test_fw_kernels_forces_a_choice(cache, monkeypatch):
@@ -235,10 +252,36 @@ def _int_examples(op):
                (lambda rows, n=in_features: (torch.randn(rows, n, generator=gen).bfloat16(),)), (bias,))
 
 
+def _attention_examples(op):
+    """Layers with GQA or not, a sliding window, a soft cap and each KV-cache dtype; decodes of requests with 1 to 90
+    tokens, prefill chunks over cached context. The weight is the layer's spec; the inputs come from real steps."""
+    backend = torch_attention.TorchAttention()
+    for heads, kv_heads, head_size, window, cap, dtype, kv_cache_dtype in (
+        (14, 2, 64, None, None, torch.bfloat16, "auto"), (6, 3, 48, 5, None, torch.float32, "auto"),
+        (4, 4, 32, None, 30.0, torch.bfloat16, "auto"), (6, 2, 64, 20, None, torch.bfloat16, "fp8"),
+        (6, 2, 64, None, None, torch.float16, "int8"),
+    ):
+        layer = AttentionLayerSpec(heads, kv_heads, head_size, head_size**-0.5, window, logits_soft_cap=cap,
+                                   k_scale=0.5 if kv_cache_dtype == "fp8" else 1.0)
+        spec = backend.kv_cache_spec(layer, 16, dtype, kv_cache_dtype)
+        like = torch.empty(spec.shape(1), dtype=spec.dtype)
+
+        def sample(rows, layer=layer, dtype=dtype, like=like):
+            if op.name == "attention.decode":
+                q, cache, metadata = backend._sample(layer, dtype, like, [37 * i % 90 for i in range(rows)], [1] * rows)
+                return q, cache, metadata.decodes
+            q, cache, metadata = backend._sample(layer, dtype, like, [rows // 2 + 3], [rows])
+            first_key, mask = metadata.prefill_mask(0, layer.sliding_window)
+            return q, cache, metadata.prefills[0].key_slots[first_key:], mask
+
+        yield layer, sample, ()
+
+
 EXAMPLES = {"dense.linear": _dense_examples, "dense.logits": _dense_examples, "gguf.linear": _gguf_examples,
             "fp8.linear": _fp8_examples, "int.linear": _int_examples, "int.linear.a8": _int_examples,
             "int8.linear": _eight_bit_examples, "int8.linear.a8": _eight_bit_examples,
-            "fp8.linear.a8": _eight_bit_examples}
+            "fp8.linear.a8": _eight_bit_examples, "attention.decode": _attention_examples,
+            "attention.prefill": _attention_examples}
 
 
 def test_every_operation_has_examples():
@@ -253,12 +296,14 @@ def test_every_candidate_matches_the_reference_on_every_row_class(op_name):
     checked = set()
     for weight, sample, extra in EXAMPLES[op_name](op):
         reference = op.candidates[op.reference]
-        key = _key(op_name, weight)
+        key = _key(op_name, weight, sample)
         for candidate in op.supported(key):
             state, ref_state = candidate.prepare(weight), reference.prepare(weight)
             for rows in (*op.rows, 0, 3):
-                (x,) = sample(rows)
-                args = extra if extra_args else ()
+                if rows == 0 and op_name.startswith("attention."):  # a step has no empty decode or prefill
+                    continue
+                x, *inputs = sample(rows)
+                args = (*inputs, *extra) if extra_args else ()
                 out, ref = candidate.run(state, x, *args), reference.run(ref_state, x, *args)
                 assert out.dtype == ref.dtype and out.shape == ref.shape, (candidate.name, rows)
                 # The same products summed in another order, in bf16 or float32
@@ -272,10 +317,14 @@ def test_every_candidate_matches_the_reference_on_every_row_class(op_name):
 
 # The native candidates every CPU with a compiler runs.
 NATIVE = {"dense.logits": {"fw-portable"}, "gguf.linear": {"fw"}, "fp8.linear": {"fw"}, "int.linear": {"fw"},
-          "int.linear.a8": {"fw"}, "int8.linear": {"fw"}, "int8.linear.a8": {"fw"}, "fp8.linear.a8": {"fw"}}
+          "int.linear.a8": {"fw"}, "int8.linear": {"fw"}, "int8.linear.a8": {"fw"}, "fp8.linear.a8": {"fw"},
+          "attention.decode": {"fw"}}
 
 
-def _key(op_name: str, weight) -> tuple:
+def _key(op_name: str, weight, sample) -> tuple:
+    if op_name.startswith("attention."):
+        q, cache, *_ = sample(3)
+        return torch_attention._key(weight, q.dtype, cache)
     if op_name.startswith("dense"):
         return dense._key(weight)
     if op_name in ("fp8.linear", "fp8.linear.a8", "int8.linear", "int8.linear.a8"):
@@ -293,3 +342,22 @@ def test_the_dense_candidates_this_cpu_runs(cache):
     assert {"torch", "torch-fp32"} <= names
     assert ("onednn" in names) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert {c.name for c in dense.LINEAR.supported((96, 64, "float32"))} == {"torch"}
+
+
+def test_fw_kernels_forces_the_attention_kernels_of_a_model(cache, monkeypatch, tmp_path):
+    from fw import LLM, SamplingParams
+    from fw.testing.models import make_tiny_model
+
+    path = make_tiny_model("Qwen2ForCausalLM", tmp_path / "qwen2", dtype="bfloat16")
+    chunks = []
+    widened = torch_attention.PREFILL.candidates["torch-fp32"]
+    monkeypatch.setitem(torch_attention.PREFILL.candidates, "torch-fp32", dataclasses.replace(
+        widened, run=lambda layer, q, *args: chunks.append(len(q)) or widened.run(layer, q, *args)))
+    monkeypatch.setenv("FW_KERNELS", "attention.prefill=torch-fp32,attention.decode=torch")
+    llm = LLM(path, num_kv_blocks=64)
+    (out,) = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 3
+    chosen = [c for c in llm.llm_engine.executor.runner.attention._chosen if c is not None]
+    assert chosen and all(c.prefill.names == ("torch-fp32",) * len(torch_attention.PREFILL_ROWS) for c in chosen)
+    assert all(c.decode.names == ("torch",) * len(torch_attention.DECODE.rows) for c in chosen)
+    assert chunks == [5] * len(chosen)  # the prompt, once per layer

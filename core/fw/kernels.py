@@ -9,6 +9,9 @@ first time a layer of a new shape loads, ``Operation.select`` times every
 candidate that supports it on a few row counts (decode to prefill sizes) and
 keeps the fastest for each. The choice is cached on disk, keyed by CPU model,
 CPU flags, thread count and library versions, so later starts time nothing.
+A choice remembers which candidates it was made among: one made while fewer
+could run (``FW_NATIVE=0``, a native build that failed) is timed again once
+more can.
 
 - ``FW_KERNELS=NAME`` forces candidate NAME in every operation that has one;
   ``FW_KERNELS=dense.linear=torch,gguf.linear=fw`` forces per operation.
@@ -49,7 +52,7 @@ MEASURE_S = 0.02  # time per candidate and row class (at least one call, at most
 MAX_CALLS = 5
 SLOWER_CUTOFF = 3.0  # a candidate this much slower than the best on its first call is not timed again
 BUSY_SHARE = 0.1  # a choice timed while other processes took more of the CPUs than this is not cached
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: each choice records the candidates it was made among
 _clock = time.perf_counter  # tests replace it
 
 
@@ -139,13 +142,13 @@ class Operation:
                                    f"(can: {', '.join(usable)})")
             names = (forced,) * len(self.rows)
         else:
-            names = _UNCACHED.get((self.name, key)) or _CACHE.lookup(self.name, key)
-            if names is None or len(names) != len(self.rows) or not set(names) <= usable.keys():
+            names = _UNCACHED.get((self.name, key)) or _CACHE.lookup(self.name, key, usable)
+            if names is None or len(names) != len(self.rows):
                 before = _cpu_times()
                 names = self._measure(key, weight, sample, usable)
                 others = _others_share(before, _cpu_times())
                 if others <= BUSY_SHARE:
-                    _CACHE.store(self.name, key, names)
+                    _CACHE.store(self.name, key, names, usable)
                 else:  # kept for this process, so that its layers of one shape still agree
                     _UNCACHED[(self.name, key)] = names
                     logger.warning("%s %s: other processes used %.0f%% of the CPUs while fw timed kernels; the "
@@ -296,7 +299,8 @@ def relevant_flags(flags: str) -> str:
 
 
 class _Cache:
-    """Choices on disk: ``{"version", "machines": {fingerprint: {"machine": ..., "choices": {op: {key: names}}}}}``."""
+    """Choices on disk: ``{"version", "machines": {fingerprint: {"machine": ..., "choices": {op: {key: choice}}}}}``,
+    a choice being ``{"names": per row class, "among": the candidates that could run}``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -332,14 +336,19 @@ class _Cache:
             logger.warning("kernel cache %s is unreadable (%s); rebuilding it", path, exc)
         return {"version": CACHE_VERSION, "machines": {}}
 
-    def lookup(self, op: str, key: tuple) -> tuple[str, ...] | None:
+    def lookup(self, op: str, key: tuple, usable: dict[str, Any]) -> tuple[str, ...] | None:
+        """The cached choice, if it was made among exactly the candidates that can run now."""
         with self._lock:
-            names = self._machine_entry()["choices"].get(op, {}).get(repr(key))
+            choice = self._machine_entry()["choices"].get(op, {}).get(repr(key))
+        if not isinstance(choice, dict) or choice.get("among") != sorted(usable):
+            return None
+        names = choice.get("names")
         return tuple(names) if isinstance(names, list) and all(isinstance(n, str) for n in names) else None
 
-    def store(self, op: str, key: tuple, names: tuple[str, ...]) -> None:
+    def store(self, op: str, key: tuple, names: tuple[str, ...], usable: dict[str, Any]) -> None:
         with self._lock:
-            self._machine_entry()["choices"].setdefault(op, {})[repr(key)] = list(names)
+            self._machine_entry()["choices"].setdefault(op, {})[repr(key)] = {"names": list(names),
+                                                                               "among": sorted(usable)}
             path = self.path
             try:  # atomically: another process (a tensor-parallel rank) may read it meanwhile
                 path.parent.mkdir(parents=True, exist_ok=True)

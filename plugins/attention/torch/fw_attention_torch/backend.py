@@ -2,25 +2,37 @@
 
 Per step, ``prepare`` turns each request's block table into the cache slots
 of its keys, in position order. Per layer, ``forward`` scatters the new K/V
-into the cache at ``slot_mapping`` and then attends:
+into the cache at ``slot_mapping`` and then attends: requests with several
+new tokens (prefill, or a prefill chunk on top of cached context) one at a
+time, all one-token requests (decode) together. Both are ``fw.kernels``
+operations, whose candidates a layer's first step times per CPU and shape
+class (head size and counts, dtypes, device, window and soft cap):
 
-- requests with several new tokens (prefill, or a prefill chunk on top of
-  cached context) one at a time with ``scaled_dot_product_attention``;
-- all one-token requests (decode) together. On the CPU a native kernel
-  (``csrc/paged_decode.cpp``, built on first use) reads their keys and values
-  block by block where they lie in the cache; elsewhere, or without a
-  compiler, one batched product over their keys gathered and padded to the
-  longest (per-request calls would cost more in call overhead than in
-  arithmetic). The gather alone cost more than the whole native kernel.
+``attention.decode`` (rows: the step's decode requests; timed with
+``DECODE_CONTEXT`` tokens of context each):
+- ``fw``: a native kernel (``csrc/paged_decode.cpp``, built on first use, CPU
+  only) that reads keys and values block by block where they lie in the cache.
+- ``torch``, the reference: one batched float32 product over their keys
+  gathered and padded to the longest (per-request calls would cost more in
+  call overhead than in arithmetic). The gather alone cost more than the
+  whole native kernel.
+
+``attention.prefill`` (rows: a chunk's query tokens; timed on fresh prompts
+of ``PREFILL_ROWS`` tokens): ``torch``, the reference, is
+``scaled_dot_product_attention`` in the query dtype; ``torch-fp32`` on
+float32 copies of the queries, keys and values (CPU, 16-bit queries), for
+CPUs without bf16 arithmetic (sdpa's flash kernel widens its blocks itself:
+on an AVX2 EPYC the two were within noise of each other). Layers with a logit soft cap
+have only ``torch``, which takes their scores in float32 (sdpa has no cap).
 
 Query ``j`` of a request with ``seq_len`` S and ``query_len`` Q sits at
 position ``S - Q + j`` and sees the keys up to its own position (with a
 sliding window W, only the last W of them). That one rule covers fresh
 prefill, chunked prefill against cached context, and decode.
 
-Every KV-cache dtype of ``fw.kv_quant`` is read by both paths: the torch path
-dequantizes the keys and values it gathers, the native kernel each row as it
-reads it.
+Every KV-cache dtype of ``fw.kv_quant`` is read by every candidate: the torch
+ones dequantize the keys and values they gather, the native kernel each row
+as it reads it.
 
 Multi-head latent attention (``forward_mla``) caches one row per token, the
 latent and the rotary key. Prefill rows expand the cached latents to every
@@ -31,16 +43,21 @@ the query and W_UV into the output, so each step reads the latent rows once
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from fw import kv_quant, native
+from fw import kernels, kv_quant, native
 from fw.interfaces.attention import AttentionBackend, AttentionBatch, AttentionLayerSpec
 
 _NATIVE_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+DECODE_CONTEXT = 256  # tokens of context per request that decode candidates are timed on
+PREFILL_ROWS = (16, 64, 256, 1024)  # query tokens per chunk the prefill candidates are timed on
 
 
 @dataclass
@@ -54,8 +71,34 @@ class _Prefill:
 class _Decodes:
     rows: torch.Tensor  # [D] each decode request's query row
     seq_lens: torch.Tensor  # [D] int32
-    block_tables: torch.Tensor | None  # [D, max_blocks] int32, for the native kernel
-    key_slots: torch.Tensor | None  # [D, max_len] cache slots, padded (masked out), for the torch path
+    block_tables: torch.Tensor  # [D, max_blocks] int32
+    block_size: int
+    max_len: int  # the longest seq_len
+    # What the gathering candidate reads, built on its first use in the step (a layer may choose the native one).
+    _key_slots: torch.Tensor | None = None
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def key_slots(self) -> torch.Tensor:
+        """[D, max_len] the cache slot of each request's keys in position order, padded."""
+        if self._key_slots is None:
+            pos = torch.arange(self.max_len, device=self.seq_lens.device)[None, :]
+            # Padded columns repeat the request's first key: masked out, but never unwritten (NaN) cache
+            # memory, which would poison the probabilities-times-values product.
+            pos = torch.where(pos < self.seq_lens[:, None], pos, 0)
+            blocks = self.block_tables.long().gather(1, pos // self.block_size)
+            self._key_slots = blocks * self.block_size + pos % self.block_size
+        return self._key_slots
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[D, max_len] boolean: which padded key columns each request sees."""
+        if sliding_window not in self._masks:
+            seq_lens = self.seq_lens[:, None]
+            k_pos = torch.arange(self.max_len, device=seq_lens.device)[None, :]
+            mask = k_pos < seq_lens
+            if sliding_window is not None:
+                mask &= k_pos >= seq_lens - sliding_window
+            self._masks[sliding_window] = mask
+        return self._masks[sliding_window]
 
 
 @dataclass
@@ -67,10 +110,15 @@ class TorchAttentionMetadata:
     _masks: dict[tuple[int, int | None], tuple[int, torch.Tensor | None]] = field(default_factory=dict)
 
     def prefill_mask(self, i: int, sliding_window: int | None) -> tuple[int, torch.Tensor | None]:
-        """The first key position any query of prefill ``i`` sees, and the [Q, keys] boolean mask."""
+        """The first key position any query of prefill ``i`` sees, and the [Q, keys] boolean mask: None for a
+        fresh prompt without a window, which sdpa's causal flag covers (it skips the masked blocks: ~30% of the
+        product at 1024 tokens)."""
         key = (i, sliding_window)
         if key not in self._masks:
             req = self.prefills[i]
+            if sliding_window is None and req.first_query_pos == 0:
+                self._masks[key] = (0, None)
+                return self._masks[key]
             seq_len = req.key_slots.shape[0]
             first_key = 0 if sliding_window is None else max(0, req.first_query_pos - sliding_window + 1)
             device = req.key_slots.device
@@ -82,18 +130,6 @@ class TorchAttentionMetadata:
             self._masks[key] = (first_key, mask)
         return self._masks[key]
 
-    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
-        """[D, max_len] boolean: which padded key columns each decode request sees."""
-        key = (-1, sliding_window)
-        if key not in self._masks:
-            seq_lens = self.decodes.seq_lens[:, None]
-            k_pos = torch.arange(self.decodes.key_slots.shape[1], device=seq_lens.device)[None, :]
-            mask = k_pos < seq_lens
-            if sliding_window is not None:
-                mask &= k_pos >= seq_lens - sliding_window
-            self._masks[key] = (0, mask)
-        return self._masks[key][1]
-
 
 def _capped(scores: torch.Tensor, layer: AttentionLayerSpec) -> torch.Tensor:
     """Scores under the layer's logit soft cap, if it has one (Gemma 2): cap * tanh(scores / cap)."""
@@ -101,9 +137,11 @@ def _capped(scores: torch.Tensor, layer: AttentionLayerSpec) -> torch.Tensor:
     return scores if not cap else cap * torch.tanh(scores / cap)
 
 
-def _capped_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+def _capped_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                     layer: AttentionLayerSpec) -> torch.Tensor:
     """sdpa's product for [1, heads, Q, D] queries over [1, kv_heads, S, D] keys and values, with the soft cap."""
+    if mask is None:  # causal
+        mask = torch.ones(q.shape[-2], keys.shape[-2], dtype=torch.bool, device=q.device).tril()
     group = layer.num_heads // layer.num_kv_heads
     keys, values = (t.float().repeat_interleave(group, dim=1) for t in (keys, values))
     scores = _capped(q.float() @ keys.transpose(-1, -2) * layer.scale, layer)
@@ -111,9 +149,95 @@ def _capped_prefill(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     return (scores.softmax(dim=-1) @ values).to(q.dtype)
 
 
+# The candidates. Each takes the layer's spec (its "weight") and the queries as [rows, heads * head_size], so that
+# a selection's rows are the decode requests or the chunk's tokens, and returns [rows, heads, head_size].
+
+def _prefill(layer: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor, key_slots: torch.Tensor,
+             mask: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One request's chunk against its keys at ``key_slots`` under ``mask`` [Q, keys], with sdpa in ``dtype``
+    (the query's by default)."""
+    dtype = dtype or q.dtype
+    # [1, heads, tokens, head_size]: sdpa takes its fused CPU (flash) kernel only for 4-d inputs;
+    # 3-d ones fall back to the unfused math path, 4-6x slower.
+    keys = kv_quant.read(kv_cache[0], key_slots, dtype, layer.k_scale).transpose(0, 1)[None]
+    values = kv_quant.read(kv_cache[1], key_slots, dtype, layer.v_scale).transpose(0, 1)[None]
+    queries = q.view(len(q), layer.num_heads, layer.head_size).transpose(0, 1)[None].to(dtype)
+    if layer.logits_soft_cap:  # sdpa has no soft cap: the scores in float32, capped
+        attn = _capped_prefill(queries, keys, values, mask, layer)
+    else:
+        attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=mask is None,
+                                              scale=layer.scale, enable_gqa=layer.num_heads != layer.num_kv_heads)
+    return attn[0].transpose(0, 1).to(q.dtype)
+
+
+def _native_decode(layer: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor,
+                   decodes: _Decodes) -> torch.Tensor:
+    return torch.ops.fw_attention_torch.paged_decode(
+        q.view(len(q), layer.num_heads, layer.head_size), kv_cache[0], kv_cache[1], decodes.block_tables,
+        decodes.seq_lens, layer.scale, layer.sliding_window or 0, layer.logits_soft_cap or 0.0, layer.k_scale,
+        layer.v_scale,
+    )
+
+
+def _gathered_decode(layer: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor,
+                     decodes: _Decodes) -> torch.Tensor:
+    """One query per request against its keys gathered and padded, in float32 for accuracy."""
+    slots, num_reqs, kv_heads = decodes.key_slots(), len(q), layer.num_kv_heads
+    keys = kv_quant.read(kv_cache[0], slots, torch.float32, layer.k_scale)  # [D, max_len, kv_heads, head_size]
+    values = kv_quant.read(kv_cache[1], slots, torch.float32, layer.v_scale)
+    # Query head h reads KV head h // group, so consecutive query heads share one KV head.
+    grouped = q.view(num_reqs, kv_heads, -1, layer.head_size).float()
+    scores = _capped(grouped @ keys.permute(0, 2, 3, 1) * layer.scale, layer)  # [D, kv_heads, group, max_len]
+    scores.masked_fill_(~decodes.mask(layer.sliding_window)[:, None, None, :], float("-inf"))
+    out = scores.softmax(dim=-1) @ values.transpose(1, 2)  # [D, kv_heads, group, head_size]
+    return out.view(num_reqs, layer.num_heads, layer.head_size).to(q.dtype)
+
+
+def _key(layer: AttentionLayerSpec, dtype: torch.dtype, kv_cache: torch.Tensor) -> tuple:
+    """A layer's shape class: (head_size, heads, kv_heads, query dtype, cache dtype, device, sliding window,
+    soft cap). Not the block size: engines that differ only in it (prefix caching's tests) choose alike, so
+    their tokens agree."""
+    return (layer.head_size, layer.num_heads, layer.num_kv_heads, str(dtype).removeprefix("torch."),
+            str(kv_cache.dtype).removeprefix("torch."), kv_cache.device.type, layer.sliding_window is not None,
+            bool(layer.logits_soft_cap))
+
+
+def _has_native(device_type: str) -> bool:
+    return device_type == "cpu" and native.load("fw_attention_torch", _NATIVE_SOURCE)
+
+
+def _widens(key: tuple) -> bool:
+    """sdpa in float32 is worth timing on the CPU, for 16-bit queries and layers without a soft cap."""
+    _, _, _, dtype, _, device, _, soft_cap = key
+    return dtype in ("bfloat16", "float16") and device == "cpu" and not soft_cap
+
+
+DECODE = kernels.Operation("attention.decode", reference="torch")
+DECODE.register(kernels.Candidate("fw", _native_decode, supports=lambda key: _has_native(key[5])))
+DECODE.register(kernels.Candidate("torch", _gathered_decode))
+PREFILL = kernels.Operation("attention.prefill", reference="torch", rows=PREFILL_ROWS)
+PREFILL.register(kernels.Candidate("torch", _prefill))
+PREFILL.register(kernels.Candidate("torch-fp32", functools.partial(_prefill, dtype=torch.float32), supports=_widens))
+
+
+@dataclass(frozen=True)
+class _Kernels:
+    """A layer's chosen kernels, and the cache they were chosen for (tests give one spec several caches)."""
+
+    layer: AttentionLayerSpec
+    kv_cache: torch.Tensor
+    decode: kernels.Selection
+    prefill: kernels.Selection
+
+
 class TorchAttention(AttentionBackend):
+    def __init__(self, options: Any = None) -> None:
+        super().__init__(options)
+        self._chosen: list[_Kernels | None] = []  # by layer_idx: found per step without building a key
+
     def native_decode(self, device: torch.device) -> bool:
-        return device.type == "cpu" and native.load("fw_attention_torch", _NATIVE_SOURCE)
+        """Whether the native decode kernel (candidate ``fw`` of ``attention.decode``) runs on ``device``."""
+        return _has_native(device.type)
 
     def prepare(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         block_size = batch.block_size
@@ -138,17 +262,8 @@ class TorchAttention(AttentionBackend):
         if decode_reqs:
             index = torch.tensor(decode_reqs, device=device)
             rows = batch.query_start_loc[:-1][index].long()
-            if self.native_decode(device):
-                decodes = _Decodes(rows, batch.seq_lens[index], batch.block_tables[index], None)
-            else:
-                max_len = max(seq_lens[i] for i in decode_reqs)
-                # Padded columns repeat the request's first key: masked out, but never unwritten (NaN) cache
-                # memory, which would poison the probabilities-times-values product.
-                padded = []
-                for i in decode_reqs:
-                    own = slots(i, seq_lens[i])
-                    padded.append(torch.cat([own, own[:1].expand(max_len - seq_lens[i])]))
-                decodes = _Decodes(rows, batch.seq_lens[index], None, torch.stack(padded))
+            decodes = _Decodes(rows, batch.seq_lens[index], batch.block_tables[index], block_size,
+                               max(seq_lens[i] for i in decode_reqs))
         return TorchAttentionMetadata(batch, prefills, decodes)
 
     def forward(
@@ -160,40 +275,59 @@ class TorchAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
     ) -> torch.Tensor:
-        key_cache, value_cache = kv_quant.write_kv(kv_cache, metadata.batch.slot_mapping, k, v, layer)
-
+        kv_quant.write_kv(kv_cache, metadata.batch.slot_mapping, k, v, layer)
+        chosen = self._kernels(layer, q.dtype, kv_cache)
         decodes = metadata.decodes
-        native = decodes is not None and decodes.block_tables is not None
-        if native and not metadata.prefills:  # a decode-only step: every row is a decode, in order
-            return self._native_decode(layer, q, kv_cache, decodes)
+        if decodes is not None and not metadata.prefills:  # a decode-only step: every row is a decode, in order
+            return chosen.decode(q.flatten(1), kv_cache, decodes)
         out = torch.empty_like(q)
-        gqa = layer.num_heads != layer.num_kv_heads
         for i, req in enumerate(metadata.prefills):
             first_key, mask = metadata.prefill_mask(i, layer.sliding_window)
-            slots = req.key_slots[first_key:]
-            # [1, heads, tokens, head_size]: sdpa takes its fused CPU (flash) kernel only for 4-d inputs;
-            # 3-d ones fall back to the unfused math path, 4-6x slower.
-            keys = kv_quant.read(key_cache, slots, q.dtype, layer.k_scale).transpose(0, 1)[None]
-            values = kv_quant.read(value_cache, slots, q.dtype, layer.v_scale).transpose(0, 1)[None]
-            queries = q[req.queries].transpose(0, 1)[None]
-            if layer.logits_soft_cap:  # sdpa has no soft cap: the scores in float32, capped
-                attn = _capped_prefill(queries, keys, values, mask, layer)
-            else:
-                attn = F.scaled_dot_product_attention(
-                    queries, keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=gqa
-                )
-            out[req.queries] = attn[0].transpose(0, 1)
-        if native:
-            out[decodes.rows] = self._native_decode(layer, q[decodes.rows], kv_cache, decodes)
-        elif decodes is not None:
-            out[decodes.rows] = self._decode(
-                layer,
-                q[decodes.rows],
-                kv_quant.read(key_cache, decodes.key_slots, torch.float32, layer.k_scale),
-                kv_quant.read(value_cache, decodes.key_slots, torch.float32, layer.v_scale),
-                metadata.decode_mask(layer.sliding_window),
-            )
+            out[req.queries] = chosen.prefill(q[req.queries].flatten(1), kv_cache, req.key_slots[first_key:], mask)
+        if decodes is not None:
+            out[decodes.rows] = chosen.decode(q[decodes.rows].flatten(1), kv_cache, decodes)
         return out
+
+    def _kernels(self, layer: AttentionLayerSpec, dtype: torch.dtype, kv_cache: torch.Tensor) -> _Kernels:
+        """The layer's decode and prefill kernels, chosen on its first step: timed once per shape class and CPU,
+        on random samples, and then cached (``fw.kernels``)."""
+        idx = layer.layer_idx
+        chosen = self._chosen[idx] if idx < len(self._chosen) else None
+        if chosen is None or chosen.layer is not layer or chosen.kv_cache is not kv_cache:
+            key = _key(layer, dtype, kv_cache)
+
+            def decode_sample(rows: int) -> tuple:
+                q, cache, metadata = self._sample(layer, dtype, kv_cache, [DECODE_CONTEXT - 1] * rows, [1] * rows)
+                return q, cache, metadata.decodes
+
+            def prefill_sample(rows: int) -> tuple:
+                q, cache, metadata = self._sample(layer, dtype, kv_cache, [0], [rows])
+                first_key, mask = metadata.prefill_mask(0, layer.sliding_window)
+                return q, cache, metadata.prefills[0].key_slots[first_key:], mask
+
+            chosen = _Kernels(layer, kv_cache, DECODE.select(key, layer, decode_sample),
+                              PREFILL.select(key, layer, prefill_sample))
+            self._chosen.extend([None] * (idx + 1 - len(self._chosen)))
+            self._chosen[idx] = chosen
+        return chosen
+
+    def _sample(self, layer: AttentionLayerSpec, dtype: torch.dtype, like: torch.Tensor, computed: list[int],
+                new: list[int]) -> tuple[torch.Tensor, torch.Tensor, TorchAttentionMetadata]:
+        """A step of requests that hold ``computed`` tokens and add ``new``, over random keys and values in a
+        cache laid out like ``like``: the queries [tokens, heads * head_size], the cache and the metadata."""
+        block, device = like.shape[2], like.device
+        gen = torch.Generator().manual_seed(0)  # not the global one: the first step's sampling may draw from it
+        counts = [-(-(c + n) // block) for c, n in zip(computed, new, strict=True)]
+        order = torch.randperm(sum(counts), generator=gen).tolist()  # blocks scattered, as after many requests
+        tables = [order[end - n : end] for n, end in zip(counts, itertools.accumulate(counts), strict=True)]
+        cache = like.new_empty(2, len(order), *like.shape[2:])
+        every_slot = torch.arange(len(order) * block, device=device)
+        for part, scale in zip(cache, (layer.k_scale, layer.v_scale), strict=True):
+            entries = torch.randn(len(every_slot), layer.num_kv_heads, layer.head_size, generator=gen)
+            kv_quant.write(part, every_slot, entries.to(device, dtype), scale)
+        batch = AttentionBatch.build(tables, computed, new, block, device)
+        q = torch.randn(sum(new), layer.num_heads * layer.head_size, generator=gen).to(device, dtype)
+        return q, cache, self.prepare(batch)
 
     def forward_mla(
         self,
@@ -218,7 +352,8 @@ class TorchAttention(AttentionBackend):
             keys = torch.cat([keys_nope, keys_pe.expand(keys_nope.shape[0], -1, -1)], -1)
             queries = torch.cat([q_nope[req.queries], q_pe[req.queries]], -1).transpose(0, 1)
             attn = F.scaled_dot_product_attention(
-                queries[None], keys[None], (latent @ w_uv)[None], attn_mask=mask, scale=layer.scale
+                queries[None], keys[None], (latent @ w_uv)[None], attn_mask=mask, is_causal=mask is None,
+                scale=layer.scale,
             )
             out[req.queries] = attn[0].transpose(0, 1)
         decodes = metadata.decodes
@@ -240,10 +375,8 @@ class TorchAttention(AttentionBackend):
         block_size: int,
     ) -> torch.Tensor:
         """The absorbed form: scores and the weighted sum are taken over the latent rows, in float32."""
-        slots = decodes.key_slots
-        if slots is None:  # prepared for the native kernel: every slot of the request's blocks
-            offsets = torch.arange(block_size, device=q_nope.device)
-            slots = (decodes.block_tables.long()[:, :, None] * block_size + offsets).flatten(1)
+        offsets = torch.arange(block_size, device=q_nope.device)  # every slot of the request's blocks
+        slots = (decodes.block_tables.long()[:, :, None] * block_size + offsets).flatten(1)
         mask = torch.arange(slots.shape[1], device=slots.device) < decodes.seq_lens[:, None]  # [D, L]
         rows = kv_quant.read(cache, slots, torch.float32, layer.k_scale)[:, :, 0]  # [D, L, rank + rope]
         # Padding slots may hold anything (NaN): zeroed, since a zero probability times NaN is still NaN.
@@ -254,29 +387,3 @@ class TorchAttention(AttentionBackend):
         scores.masked_fill_(~mask[:, None, :], float("-inf"))
         out_latent = (scores.softmax(dim=-1) @ latent).to(q_nope.dtype)  # [D, heads, rank]
         return (out_latent.transpose(0, 1) @ w_uv).transpose(0, 1)  # [D, heads, v_head_dim]
-
-    @staticmethod
-    def _native_decode(
-        layer: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor, decodes: _Decodes
-    ) -> torch.Tensor:
-        return torch.ops.fw_attention_torch.paged_decode(
-            q, kv_cache[0], kv_cache[1], decodes.block_tables, decodes.seq_lens, layer.scale,
-            layer.sliding_window or 0, layer.logits_soft_cap or 0.0, layer.k_scale, layer.v_scale,
-        )
-
-    @staticmethod
-    def _decode(
-        layer: AttentionLayerSpec,
-        q: torch.Tensor,  # [D, heads, head_size]
-        keys: torch.Tensor,  # [D, max_len, kv_heads, head_size] float32
-        values: torch.Tensor,  # [D, max_len, kv_heads, head_size] float32
-        mask: torch.Tensor,  # [D, max_len]
-    ) -> torch.Tensor:
-        """One query per request against its padded keys, in float32 for accuracy."""
-        num_reqs, kv_heads = q.shape[0], layer.num_kv_heads
-        # Query head h reads KV head h // group, so consecutive query heads share one KV head.
-        grouped = q.view(num_reqs, kv_heads, -1, layer.head_size).float()
-        scores = _capped(grouped @ keys.permute(0, 2, 3, 1) * layer.scale, layer)  # [D, kv_heads, group, max_len]
-        scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
-        out = scores.softmax(dim=-1) @ values.transpose(1, 2)  # [D, kv_heads, group, head_size]
-        return out.view(num_reqs, layer.num_heads, layer.head_size).to(q.dtype)
