@@ -1,12 +1,13 @@
-// bf16 CPU kernels for the decoder's elementwise layers, one pass over memory each where the torch
-// path takes several. Every intermediate is rounded to bf16 where the torch path rounds it, so the
-// results match it (up to the order of the float sums in the norm).
+// bf16 and float32 CPU kernels for the decoder's elementwise layers, one pass over memory each where
+// the torch path takes several. Every bf16 intermediate is rounded where the torch path rounds it, so
+// the results match it (up to the order of the float sums in the norm, and float32's fused multiply-adds).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <tuple>
+#include <type_traits>
 
 #include "fw_cpu.h"
 
@@ -18,26 +19,48 @@ using fw::round_bf16;
 
 inline float r(float f) { return f32(round_bf16(f)); }
 
-void check(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu(), what, " must be a bf16 CPU tensor");
+// Element access for either dtype; `rnd<T>` rounds an intermediate to T, as the torch path stores it.
+inline float ld(bf16 v) { return f32(v); }
+inline float ld(float v) { return v; }
+inline void st(bf16* p, float v) { *p = round_bf16(v); }
+inline void st(float* p, float v) { *p = v; }
+template <typename T>
+inline float rnd(float f) {
+  if constexpr (std::is_same_v<T, bf16>) return r(f);
+  return f;
+}
+template <typename T>
+constexpr bool kBf16 = std::is_same_v<T, bf16>;
+
+// Every tensor of one call has the dtype of the first (x): bf16 or float32, on the CPU.
+void check(const at::Tensor& t, const at::Tensor& x, const char* what) {
+  TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && t.device().is_cpu() &&
+                  t.scalar_type() == x.scalar_type(),
+              what, " must be a CPU tensor of x's dtype, bf16 or float32");
+}
+
+template <typename T>
+T* ptr(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
 }
 
 int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1)); }
 
 // out = weight * bf16(x * rsqrt(mean(x^2) + eps)) per row of x [rows, hidden]; with residual, x is
 // first replaced by bf16(x + residual), which is also returned (the next layer's residual).
-void norm_rows(const bf16* x, const bf16* res, const bf16* w, bf16* out, bf16* new_res, int64_t rows, int64_t hidden,
-               double eps) {
+template <typename T>
+void norm_rows(const T* x, const T* res, const T* w, T* out, T* new_res, int64_t rows, int64_t hidden, double eps) {
   at::parallel_for(0, rows, grain(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const bf16* xr = x + row * hidden;
-      bf16* o = out + row * hidden;
+      const T* xr = x + row * hidden;
+      T* o = out + row * hidden;
       float sum = 0.f;
       int64_t i = 0;
       if (res != nullptr) {
-        const bf16* rr = res + row * hidden;
-        bf16* nr = new_res + row * hidden;
+        const T* rr = res + row * hidden;
+        T* nr = new_res + row * hidden;
 #if defined(__AVX512F__)
+        if constexpr (kBf16<T>) {
         __m512 acc = _mm512_setzero_ps();
         for (; i + 16 <= hidden; i += 16) {
           const __m512 v = fw::round_bf16x16(_mm512_add_ps(fw::load_bf16x16(xr + i), fw::load_bf16x16(rr + i)));
@@ -45,77 +68,89 @@ void norm_rows(const bf16* x, const bf16* res, const bf16* w, bf16* out, bf16* n
           acc = _mm512_fmadd_ps(v, v, acc);
         }
         sum = _mm512_reduce_add_ps(acc);
+        }
 #endif
         for (; i < hidden; ++i) {
-          const float v = r(f32(xr[i]) + f32(rr[i]));
-          nr[i] = round_bf16(v);
+          const float v = rnd<T>(ld(xr[i]) + ld(rr[i]));
+          st(nr + i, v);
           sum += v * v;
         }
         xr = nr;
       } else {
 #if defined(__AVX512F__)
+        if constexpr (kBf16<T>) {
         __m512 acc = _mm512_setzero_ps();
         for (; i + 16 <= hidden; i += 16) {
           const __m512 v = fw::load_bf16x16(xr + i);
           acc = _mm512_fmadd_ps(v, v, acc);
         }
         sum = _mm512_reduce_add_ps(acc);
+        }
 #endif
-        for (; i < hidden; ++i) sum += f32(xr[i]) * f32(xr[i]);
+        for (; i < hidden; ++i) sum += ld(xr[i]) * ld(xr[i]);
       }
       const float inv = 1.f / std::sqrt(sum / hidden + static_cast<float>(eps));
       i = 0;
 #if defined(__AVX512F__)
+      if constexpr (kBf16<T>) {
       for (; i + 16 <= hidden; i += 16) {
         const __m512 y = fw::round_bf16x16(_mm512_mul_ps(fw::load_bf16x16(xr + i), _mm512_set1_ps(inv)));
         fw::store_bf16x16(o + i, fw::round_bf16x16(_mm512_mul_ps(fw::load_bf16x16(w + i), y)));
       }
+      }
 #endif
-      for (; i < hidden; ++i) o[i] = round_bf16(f32(w[i]) * r(f32(xr[i]) * inv));
+      for (; i < hidden; ++i) st(o + i, ld(w[i]) * rnd<T>(ld(xr[i]) * inv));
     }
   });
 }
 
+// x's rows normed into out (and, with residual, x + residual into new_res), in x's dtype.
+void norm(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps, at::Tensor& out,
+          at::Tensor* new_res) {
+  check(x, x, "x");
+  check(weight, x, "weight");
+  const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+  if (residual != nullptr) check(*residual, x, "residual");
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    norm_rows(ptr<const T>(x), residual ? ptr<const T>(*residual) : nullptr, ptr<const T>(weight), ptr<T>(out),
+              new_res ? ptr<T>(*new_res) : nullptr, rows, hidden, eps);
+  };
+  x.scalar_type() == at::kFloat ? run(float{}) : run(bf16{});
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check(x, "x");
-  check(weight, "weight");
   auto xc = x.contiguous();
   auto out = at::empty_like(xc);
-  const int64_t hidden = x.size(-1);
-  norm_rows(reinterpret_cast<const bf16*>(xc.data_ptr()), nullptr, reinterpret_cast<const bf16*>(weight.data_ptr()),
-            reinterpret_cast<bf16*>(out.data_ptr()), nullptr, xc.numel() / hidden, hidden, eps);
+  norm(xc, nullptr, weight.contiguous(), eps, out, nullptr);
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps) {
-  check(x, "x");
-  check(residual, "residual");
-  check(weight, "weight");
   auto xc = x.contiguous(), rc = residual.contiguous();
   auto out = at::empty_like(xc), new_res = at::empty_like(xc);
-  const int64_t hidden = x.size(-1);
-  norm_rows(reinterpret_cast<const bf16*>(xc.data_ptr()), reinterpret_cast<const bf16*>(rc.data_ptr()),
-            reinterpret_cast<const bf16*>(weight.data_ptr()), reinterpret_cast<bf16*>(out.data_ptr()),
-            reinterpret_cast<bf16*>(new_res.data_ptr()), xc.numel() / hidden, hidden, eps);
+  norm(xc, &rc, weight.contiguous(), eps, out, &new_res);
   return {out, new_res};
 }
 
 // Neox rotary embedding in place: x [tokens, heads, head_size] (rows may be strided, heads packed);
-// cos/sin [tokens, head_size / 2] bf16. x1' = x1 c - x2 s, x2' = x2 c + x1 s, each product rounded.
-void rotate(at::Tensor& x, const bf16* cos, const bf16* sin) {
+// cos/sin [tokens, head_size / 2] of x's dtype. x1' = x1 c - x2 s, x2' = x2 c + x1 s, each product rounded.
+template <typename T>
+void rotate(at::Tensor& x, const T* cos, const T* sin) {
   const int64_t tokens = x.size(0), heads = x.size(1), head_size = x.size(2), half = head_size / 2;
   TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == head_size, "rotary input must have packed heads");
-  bf16* base = reinterpret_cast<bf16*>(x.data_ptr());
+  T* base = ptr<T>(x);
   const int64_t stride = x.stride(0);
   at::parallel_for(0, tokens, grain(heads * head_size), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const bf16* c = cos + t * half;
-      const bf16* s = sin + t * half;
+      const T* c = cos + t * half;
+      const T* s = sin + t * half;
       for (int64_t h = 0; h < heads; ++h) {
-        bf16* v = base + t * stride + h * head_size;
+        T* v = base + t * stride + h * head_size;
         int64_t i = 0;
 #if defined(__AVX512F__)
+        if constexpr (kBf16<T>)
         for (; i + 16 <= half; i += 16) {
           const __m512 x1 = fw::load_bf16x16(v + i), x2 = fw::load_bf16x16(v + i + half);
           const __m512 ci = fw::load_bf16x16(c + i), si = fw::load_bf16x16(s + i);
@@ -127,9 +162,9 @@ void rotate(at::Tensor& x, const bf16* cos, const bf16* sin) {
         }
 #endif
         for (; i < half; ++i) {
-          const float x1 = f32(v[i]), x2 = f32(v[i + half]), ci = f32(c[i]), si = f32(s[i]);
-          v[i] = round_bf16(r(x1 * ci) + r(-x2 * si));
-          v[i + half] = round_bf16(r(x2 * ci) + r(x1 * si));
+          const float x1 = ld(v[i]), x2 = ld(v[i + half]), ci = ld(c[i]), si = ld(s[i]);
+          st(v + i, rnd<T>(x1 * ci) + rnd<T>(-x2 * si));
+          st(v + i + half, rnd<T>(x2 * ci) + rnd<T>(x1 * si));
         }
       }
     }
@@ -137,32 +172,30 @@ void rotate(at::Tensor& x, const bf16* cos, const bf16* sin) {
 }
 
 void rotary_neox(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
-  check(q, "q");
-  check(k, "k");
-  check(cos, "cos");
-  check(sin, "sin");
+  check(q, q, "q");
+  check(k, q, "k");
+  check(cos, q, "cos");
+  check(sin, q, "sin");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(-1) * 2 == q.size(2), "bad cos/sin");
-  rotate(q, reinterpret_cast<const bf16*>(cos.data_ptr()), reinterpret_cast<const bf16*>(sin.data_ptr()));
-  rotate(k, reinterpret_cast<const bf16*>(cos.data_ptr()), reinterpret_cast<const bf16*>(sin.data_ptr()));
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    rotate(q, ptr<const T>(cos), ptr<const T>(sin));
+    rotate(k, ptr<const T>(cos), ptr<const T>(sin));
+  };
+  q.scalar_type() == at::kFloat ? run(float{}) : run(bf16{});
 }
 
-// x [rows, 2 * d] = [gate | up] -> bf16(silu(gate)) * up, [rows, d].
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  check(x, "x");
-  auto xc = x.contiguous();
-  const int64_t d = xc.size(-1) / 2, rows = xc.numel() / (2 * d);
-  auto sizes = xc.sizes().vec();
-  sizes.back() = d;
-  auto out = at::empty(sizes, xc.options());
-  const bf16* in = reinterpret_cast<const bf16*>(xc.data_ptr());
-  bf16* o = reinterpret_cast<bf16*>(out.data_ptr());
+// x [rows, 2 * d] = [gate | up] -> rnd(silu(gate)) * up, [rows, d].
+template <typename T>
+void silu_rows(const T* in, T* o, int64_t rows, int64_t d) {
   at::parallel_for(0, rows, grain(2 * d), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      const bf16* g = in + row * 2 * d;
-      const bf16* u = g + d;
-      bf16* orow = o + row * d;
+      const T* g = in + row * 2 * d;
+      const T* u = g + d;
+      T* orow = o + row * d;
       int64_t i = 0;
 #if defined(__AVX512F__)
+      if constexpr (kBf16<T>) {
       const __m512 one = _mm512_set1_ps(1.f);
       for (; i + 16 <= d; i += 16) {
         const __m512 gi = fw::load_bf16x16(g + i);
@@ -170,13 +203,27 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
             _mm512_div_ps(gi, _mm512_add_ps(one, fw::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gi)))));
         fw::store_bf16x16(orow + i, fw::round_bf16x16(_mm512_mul_ps(silu, fw::load_bf16x16(u + i))));
       }
+      }
 #endif
       for (; i < d; ++i) {
-        const float gi = f32(g[i]);
-        orow[i] = round_bf16(r(gi / (1.f + std::exp(-gi))) * f32(u[i]));
+        const float gi = ld(g[i]);
+        st(orow + i, rnd<T>(gi / (1.f + std::exp(-gi))) * ld(u[i]));
       }
     }
   });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check(x, x, "x");
+  auto xc = x.contiguous();
+  const int64_t d = xc.size(-1) / 2, rows = xc.numel() / (2 * d);
+  auto sizes = xc.sizes().vec();
+  sizes.back() = d;
+  auto out = at::empty(sizes, xc.options());
+  if (xc.scalar_type() == at::kFloat)
+    silu_rows(ptr<const float>(xc), ptr<float>(out), rows, d);
+  else
+    silu_rows(ptr<const bf16>(xc), ptr<bf16>(out), rows, d);
   return out;
 }
 

@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``, ``(norm(x + residual), x + residual)``."""
-        if native_ops.usable(x):
+        if native_ops.usable(x) and x.dtype == self.weight.dtype:
             if residual is None:
                 return torch.ops.fw_layers.rms_norm(x, self.weight, self.eps)
             return torch.ops.fw_layers.add_rms_norm(x, residual, self.weight, self.eps)

@@ -22,7 +22,7 @@ block boundary (checked when the layer is built).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from itertools import groupby
@@ -92,15 +92,7 @@ class GGUFLinearMethod(LinearMethod):
                     raise ModelLoadError(f"{spec.prefix}: {exc}{split if spec.input_is_parallel else ''}") from None
                 self.shards.append(_Shard(qtype, offset, rows, width))
                 offset += rows * width
-            step = max(1, dense.WIDEN_CHUNK // input_size)
-            for qtype, group in groupby(self.shards, key=lambda s: s.qtype):
-                group = list(group)
-                rows, width = sum(s.rows for s in group), group[0].row_bytes
-                for start in range(0, rows, step):
-                    count = min(step, rows - start)
-                    self.chunks.append(_Shard(qtype, group[0].offset + start * width, count, width))
-            # The native kernel's view of the same layout: (byte offset, rows, ggml type) per sub-matrix.
-            self.native_shards = [v for s in self.shards for v in (s.offset, s.rows, int(s.qtype))]
+            self.chunks, self.native_shards = _layout(self.shards, input_size)
             weight = nn.Parameter(torch.empty(offset, dtype=torch.uint8), requires_grad=False)
             # Sharded and placed by _load_packed itself: the generic loader cannot cut a flat mix of layouts.
             weight.output_dim = weight.input_dim = None
@@ -125,16 +117,44 @@ class GGUFLinearMethod(LinearMethod):
         if self.dense:
             dense.pack_parameter(layer)
             return
-        blocks = _Blocks(layer.weight, self.chunks, self.native_shards)
-        dtype, width = self.params_dtype, self.input_size
-        key = (tuple((s.qtype.name, s.rows) for s in self.shards), width, str(dtype).removeprefix("torch."),
-               layer.weight.device.type)
-        self.kernel = PRODUCT.select(key, blocks, lambda rows: (torch.randn(rows, width, dtype=dtype),))
+        self.kernel = _select(layer.weight, self.shards, self.chunks, self.native_shards, self.input_size,
+                              self.params_dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.dense:
             return dense.linear(x, layer.weight, bias)
         return self.kernel(x, bias)
+
+
+def _layout(shards: list[_Shard], input_size: int) -> tuple[list[_Shard], list[int]]:
+    """What the torch candidates dequantize at a time (rows of adjacent shards of one type, at most
+    dense.WIDEN_CHUNK weights), and the native kernel's (byte offset, rows, ggml type) per sub-matrix."""
+    chunks, step = [], max(1, dense.WIDEN_CHUNK // input_size)
+    for qtype, group in groupby(shards, key=lambda s: s.qtype):
+        group = list(group)
+        rows, width = sum(s.rows for s in group), group[0].row_bytes
+        for start in range(0, rows, step):
+            count = min(step, rows - start)
+            chunks.append(_Shard(qtype, group[0].offset + start * width, count, width))
+    return chunks, [v for s in shards for v in (s.offset, s.rows, int(s.qtype))]
+
+
+def _select(data: torch.Tensor, shards: list[_Shard], chunks: list[_Shard], native_shards: list[int],
+            width: int, dtype: torch.dtype) -> kernels.Selection:
+    key = (tuple((s.qtype.name, s.rows) for s in shards), width, str(dtype).removeprefix("torch."), data.device.type)
+    return PRODUCT.select(key, _Blocks(data, chunks, native_shards),
+                          lambda rows: (torch.randn(rows, width, dtype=dtype),))
+
+
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """float ``[rows, 32k]`` -> Q8_0 blocks ``[rows, k * 34]``, as ggml quantizes: d = max|w| / 127 (fp16),
+    q = round(w / d)."""
+    rows, width = weight.shape
+    w = weight.float().reshape(rows, width // 32, 32)
+    d = (w.abs().amax(-1, keepdim=True) / 127).half()
+    inv = torch.where(d != 0, 1 / d.float(), 0.0)
+    q = (w * inv).round().clamp(-127, 127).to(torch.int8)
+    return torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(rows, -1)
 
 
 @dataclass(frozen=True)
@@ -193,6 +213,27 @@ class GGUFMethod(QuantMethod):
                 raise ModelLoadError(f"the GGUF file has no tensor for {name}")
             types.append(GGMLQuantizationType[self.tensor_types[name]])
         return GGUFLinearMethod(types, self.dequantize_at_load)
+
+    def get_logits_method(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Q8_0 blocks for a head whose float32 table is exactly a Q8_0 table (as one dequantized from the file's
+        Q8_0 is: it requantizes to the same blocks, checked): the logits keep their weights, while the head, a
+        small model's largest matrix and read in full every decode step, reads a quarter of the bytes. Any other
+        table keeps the float head."""
+        q8 = GGMLQuantizationType.Q8_0
+        if self.dequantize_at_load or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[1] % 32:
+            return None
+
+        def exact(rows: torch.Tensor) -> torch.Tensor | None:
+            data = quantize_q8_0(rows)
+            return data if torch.equal(dequantize(data, q8, torch.float32), rows) else None
+
+        # A few rows first: a table of another type fails there, before the whole table is requantized.
+        if exact(weight[:64]) is None or (data := exact(weight)) is None:
+            return None
+        rows, width = weight.shape
+        shards = [_Shard(q8, 0, rows, data.shape[1])]
+        kernel = _select(data.flatten(), shards, *_layout(shards, width), width, torch.float32)
+        return lambda hidden: kernel(hidden.float())
 
     def checkpoint_config(self, model_path: str) -> dict[str, Any]:
         return checkpoint.hf_config(checkpoint.open_reader(model_path))

@@ -182,12 +182,21 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
     total += rows;
   }
   auto xf = x.to(at::kFloat).contiguous();
-  auto xsum = xf.view({M, K / kBlock, kBlock}).sum(-1).contiguous();
+  // Each block's sum of x (for the offsets), here rather than as torch ops: a decode step makes hundreds of
+  // these calls, and each op's dispatch cost more than its arithmetic.
+  const int64_t blocks = M * (K / kBlock);
+  std::vector<float> xsum(blocks);
+  const float* xp = xf.data_ptr<float>();
+  for (int64_t b = 0; b < blocks; ++b) {
+    float s = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) s += xp[b * kBlock + j];
+    xsum[b] = s;
+  }
   auto y = at::empty({M, total}, xf.options());
   int64_t column = 0;
   for (size_t i = 0; i < shards.size(); i += 3) {
     for (int64_t m = 0; m < M; m += kMaxRows) {  // rows in groups that fit the register accumulators
-      gemv(xf.data_ptr<float>() + m * K, xsum.data_ptr<float>() + m * (K / kBlock),
+      gemv(xp + m * K, xsum.data() + m * (K / kBlock),
            weight.data_ptr<uint8_t>() + shards[i], y.data_ptr<float>() + m * total + column, total,
            std::min(kMaxRows, M - m), shards[i + 1], K, shards[i + 2]);
     }
