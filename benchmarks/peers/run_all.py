@@ -68,6 +68,25 @@ def run_fw(args: argparse.Namespace, model: str) -> dict:
     }
 
 
+def cpu() -> dict:
+    """What the numbers depend on: the CPU's name, family and model (the name alone can hide a generation: "AMD
+    EPYC" is Zen 3 as well as Zen 4), its vector and matrix extensions, and how many CPUs the machine has."""
+    info: dict[str, str] = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        name, _, value = (part.strip() for part in line.partition(":"))
+        if name in ("model name", "cpu family", "model", "flags") and name not in info:
+            info[name] = value
+    prefixes, parts = ("avx", "amx", "fma", "f16c"), ("vnni", "bf16", "fp16")
+    flags = [f for f in info.get("flags", "").split() if f.startswith(prefixes) or any(p in f for p in parts)]
+    return {"model_name": info.get("model name", ""), "family": info.get("cpu family", ""),
+            "model": info.get("model", ""), "flags": " ".join(sorted(flags)), "cpus": os.cpu_count()}
+
+
+def heading(machine: dict) -> str:
+    return (f"{machine['model_name']} (family {machine['family']} model {machine['model']}), "
+            f"{machine['cpus']} CPUs, flags: `{machine['flags'] or 'none of avx/amx/fma/f16c/vnni/bf16/fp16'}`")
+
+
 def table(results: list[dict], num_prompts: int) -> str:
     us = results[0]
     titles = [t.format(n=num_prompts) for _, t, _ in METRICS]
@@ -120,7 +139,9 @@ def main() -> None:
             results.append(run([sys.executable, str(HERE / f"{peer}_peer.py"), *source, *shape]))
         except (RuntimeError, json.JSONDecodeError, IndexError) as exc:
             results.append({"engine": peer, "error": str(exc)})
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    machine = cpu()
+    Path(args.out).write_text(json.dumps({"cpu": machine, "results": results}, indent=2))
+    print(f"CPU: {heading(machine)}\n")
     print(table(results, args.num_prompts))
     print(f"\nAll numbers: {args.out}")
 

@@ -51,6 +51,11 @@ class Outbox:
         return items
 
 
+def _put_all(items: list[tuple[Outbox, int, RequestOutput | Exception]]) -> None:
+    for outbox, index, output in items:
+        outbox.put(index, output)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
@@ -82,8 +87,7 @@ class AsyncEngine:
                 except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
                     future.set_exception(exc)
                 continue
-            for output in self._step():
-                self._deliver(output)
+            self._deliver_all(self._step())
 
     def _busy(self) -> bool:
         """Whether the engine thread steps rather than waits for a command."""
@@ -125,14 +129,23 @@ class AsyncEngine:
             is_request_fault = isinstance(error, ValueError) and not isinstance(error, EngineError)
             self._deliver(output, EngineError(str(error)) if is_request_fault else error)
 
+    def _deliver_all(self, outputs: list[RequestOutput], error: Exception | None = None) -> None:
+        """Outputs (or ``error`` in their place) to their callers: one wake-up per caller's event loop, not one per
+        request (a step of 32 streams would wake the server's loop 32 times)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Outbox, int, RequestOutput | Exception]]] = {}
+        for output in outputs:
+            target = self._streams.get(output.request_id)
+            if target is None:
+                continue
+            loop, outbox, index = target
+            by_loop.setdefault(loop, []).append((outbox, index, error or output))
+            if output.finished:
+                self._streams.pop(output.request_id, None)
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _deliver(self, output: RequestOutput, error: Exception | None = None) -> None:
-        target = self._streams.get(output.request_id)
-        if target is None:
-            return
-        loop, outbox, index = target
-        loop.call_soon_threadsafe(outbox.put, index, error or output)
-        if output.finished:
-            self._streams.pop(output.request_id, None)
+        self._deliver_all([output], error)
 
     async def generate_many(
         self, requests: Sequence[tuple[PromptType, SamplingParams, str, int]]

@@ -102,6 +102,12 @@ class SchedulerSection(_Section):
     max_num_seqs: int = Field(256, gt=0, description="Most requests in one batch.")
     max_num_batched_tokens: int = Field(2048, gt=0, description="Token budget of one engine step.")
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps, mixed with decodes.")
+    long_prefill_token_threshold: int | None = Field(
+        None, ge=0,
+        description="Most prompt tokens one request computes in a step with chunked prefill, so that a long prompt "
+        "shares the step's budget with the requests behind it (vLLM's name; 0: no limit). Unset: a quarter of "
+        "max_num_batched_tokens.",
+    )
     scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="Order of admission.")
 
 

@@ -96,6 +96,12 @@ class Scheduler:
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.token_budget = config.scheduler.max_num_batched_tokens
         self.chunked_prefill = config.scheduler.enable_chunked_prefill
+        # A request's prompt tokens per step: a long prompt admitted first would otherwise take whole steps while
+        # the requests behind it, which the budget could start, wait. Only chunked prefill can split a prompt.
+        threshold = config.scheduler.long_prefill_token_threshold
+        if threshold is None:
+            threshold = max(1, self.token_budget // 4)
+        self.prefill_chunk = threshold if threshold and self.chunked_prefill else self.token_budget
         self.by_priority = config.scheduler.scheduling_policy == "priority"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -129,7 +135,7 @@ class Scheduler:
                 break
             if request not in self.running:  # preempted earlier in this loop
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget, self.prefill_chunk)
             if self._allocate_or_preempt(request, num_new, batch):
                 batch.requests.append(request)
                 batch.num_new.append(num_new)
@@ -162,7 +168,7 @@ class Scheduler:
             if num_new > budget and not self.chunked_prefill:
                 self._unadmit(request)
                 break
-            num_new = min(num_new, budget)
+            num_new = min(num_new, budget, self.prefill_chunk)
             if not self.kv.allocate_slots(rid, cached + external + num_new):
                 self._unadmit(request)
                 break
