@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -22,23 +23,18 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
 @pytest.fixture(scope="module")
-def native_backend() -> TorchAttention:
-    backend = TorchAttention()
-    if not backend.native_decode(CPU):
+def native_kernel() -> None:
+    if not TorchAttention().native_decode(CPU):
         if shutil.which("c++") or shutil.which("g++"):
             pytest.fail("a C++ compiler is present, yet the native paged decode kernel did not build (see the log)")
         pytest.skip("no C++ compiler: the native kernel cannot be built here (the torch path serves)")
-    return backend
-
-
-class _Reference(TorchAttention):
-    def native_decode(self, device: torch.device) -> bool:
-        return False
 
 
 def _decode_step(
-    backend, dtype, heads, kv_heads, head_size, window, seq_lens, block=16, kv_cache_dtype="auto", scales=(1.0, 1.0)
+    kernel, dtype, heads, kv_heads, head_size, window, seq_lens, block=16, kv_cache_dtype="auto", scales=(1.0, 1.0)
 ):
+    """One decode step of ``seq_lens`` requests through ``attention.decode`` candidate ``kernel``."""
+    backend = TorchAttention()
     gen = torch.Generator().manual_seed(len(seq_lens) * head_size + heads)
     num_blocks = sum(-(-n // block) for n in seq_lens) + 3
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -57,16 +53,17 @@ def _decode_step(
     k = torch.randn(len(seq_lens), kv_heads, head_size, generator=gen).to(dtype)
     v = torch.randn(len(seq_lens), kv_heads, head_size, generator=gen).to(dtype)
     batch = AttentionBatch.build(tables, [n - 1 for n in seq_lens], [1] * len(seq_lens), block)
-    out = backend.forward(layer, q, k, v, cache, backend.prepare(batch))
+    with mock.patch.dict(os.environ, {"FW_KERNELS": f"attention.decode={kernel}"}):
+        out = backend.forward(layer, q, k, v, cache, backend.prepare(batch))
     return out, cache, q, tables
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(14, 2, 64), (4, 4, 128), (6, 3, 48), (8, 1, 96)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_native_paged_decode_matches_dense_attention(native_backend, dtype, heads, kv_heads, head_size, window):
+def test_native_paged_decode_matches_dense_attention(native_kernel, dtype, heads, kv_heads, head_size, window):
     seq_lens = [1, 7, 16, 33, 70]
-    out, cache, q, tables = _decode_step(native_backend, dtype, heads, kv_heads, head_size, window, seq_lens)
+    out, cache, q, tables = _decode_step("fw", dtype, heads, kv_heads, head_size, window, seq_lens)
     for i, n in enumerate(seq_lens):
         slots = torch.tensor([tables[i][p // 16] * 16 + p % 16 for p in range(n)])
         keys = cache[0].reshape(-1, kv_heads, head_size)[slots]  # includes the key the step just wrote
@@ -79,13 +76,13 @@ def test_native_paged_decode_matches_dense_attention(native_backend, dtype, head
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("window", [None, 5])
-def test_native_paged_decode_reads_quantized_caches(native_backend, kv_cache_dtype, dtype, window):
+def test_native_paged_decode_reads_quantized_caches(native_kernel, kv_cache_dtype, dtype, window):
     """The kernel dequantizes rows as fw.kv_quant does: it matches dense attention over what the cache holds."""
     seq_lens = [1, 7, 16, 33, 70]
     scales = (0.5, 2.0) if kv_cache_dtype == "fp8" else (1.0, 1.0)  # per-layer scales: fp8 only
     args = (dtype, 6, 2, 64, window, seq_lens)
-    out, cache, q, tables = _decode_step(native_backend, *args, kv_cache_dtype=kv_cache_dtype, scales=scales)
-    reference, *_ = _decode_step(_Reference(), *args, kv_cache_dtype=kv_cache_dtype, scales=scales)
+    out, cache, q, tables = _decode_step("fw", *args, kv_cache_dtype=kv_cache_dtype, scales=scales)
+    reference, *_ = _decode_step("torch", *args, kv_cache_dtype=kv_cache_dtype, scales=scales)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), reference.float(), atol=tol, rtol=tol * 5)
     for i, n in enumerate(seq_lens):
@@ -95,10 +92,10 @@ def test_native_paged_decode_reads_quantized_caches(native_backend, kv_cache_dty
         torch.testing.assert_close(out[i : i + 1].float(), expected, atol=tol, rtol=tol * 5)
 
 
-def test_native_and_torch_paths_agree_on_a_batch(native_backend):
+def test_native_and_torch_paths_agree_on_a_batch(native_kernel):
     seq_lens = [3, 40, 129, 17]
-    native, *_ = _decode_step(native_backend, torch.bfloat16, 14, 2, 64, None, seq_lens)
-    reference, *_ = _decode_step(_Reference(), torch.bfloat16, 14, 2, 64, None, seq_lens)
+    native, *_ = _decode_step("fw", torch.bfloat16, 14, 2, 64, None, seq_lens)
+    reference, *_ = _decode_step("torch", torch.bfloat16, 14, 2, 64, None, seq_lens)
     torch.testing.assert_close(native.float(), reference.float(), atol=2e-2, rtol=2e-2)
 
 
@@ -107,7 +104,6 @@ def test_bf16_engine_fast_paths_match_the_reference_paths(tmp_path, monkeypatch)
     from fw import LLM, SamplingParams
     from fw.layers import native_ops
     from fw.testing.models import make_tiny_model
-    from fw_attention_torch import backend
 
     path = make_tiny_model("Qwen2ForCausalLM", tmp_path / "qwen2", dtype="bfloat16", tie_word_embeddings=True)
     prompts = ["Hello world, this is", "def fibonacci(n):\n    return", "x"]
@@ -122,8 +118,7 @@ def test_bf16_engine_fast_paths_match_the_reference_paths(tmp_path, monkeypatch)
 
     chosen, fast = run()
     assert any(name.endswith("qkv_proj.weight") for name in chosen)  # every bf16 layer had its kernels chosen
-    monkeypatch.setenv("FW_KERNELS", "torch")  # the reference candidate of every operation
-    monkeypatch.setattr(backend.TorchAttention, "native_decode", lambda self, device: False)
+    monkeypatch.setenv("FW_KERNELS", "torch")  # the reference candidate of every operation, attention's too
     monkeypatch.setattr(native_ops, "usable", lambda x: False)
     chosen, reference = run()
     assert {names for names in chosen.values()} == {("torch",) * len(dense.LINEAR.rows)}

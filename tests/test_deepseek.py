@@ -94,7 +94,7 @@ SCHEDULES = {
 }
 
 
-def run_mla(schedule, kv_cache_dtype="auto", native=True, backend=None, block=BLOCK):
+def run_mla(schedule, kv_cache_dtype="auto", backend=None, block=BLOCK):
     """Feed the same per-token inputs by ``schedule`` to ``backend`` (the torch one by default); return each
     request's outputs, one row per token."""
     gen = torch.Generator().manual_seed(0)
@@ -105,9 +105,7 @@ def run_mla(schedule, kv_cache_dtype="auto", native=True, backend=None, block=BL
     w_uk = 0.2 * torch.randn(HEADS, 16, 32, generator=gen)
     w_uv = 0.2 * torch.randn(HEADS, 32, 16, generator=gen)
     spec = AttentionLayerSpec(num_heads=HEADS, num_kv_heads=1, head_size=24, scale=24**-0.5, mla=MLA)
-    if backend is None:
-        backend = TorchAttention()
-        backend.native_decode = lambda device: native  # how prepare() lays out decodes: block tables or slots
+    backend = backend or TorchAttention()
     cache_spec = backend.kv_cache_spec(spec, block, torch.float32, kv_cache_dtype)
     # NaN where never written (auto), so that reading an unwritten slot shows.
     cache = torch.full(cache_spec.shape(16), float("nan")).to(cache_spec.dtype)
@@ -132,10 +130,9 @@ def run_mla(schedule, kv_cache_dtype="auto", native=True, backend=None, block=BL
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
 @pytest.mark.parametrize("schedule", ["decode", "mixed"])
-@pytest.mark.parametrize("native", [True, False], ids=["block_tables", "slots"])
-def test_mla_prefill_and_absorbed_decode_agree(schedule, kv_cache_dtype, native):
-    expected = run_mla(SCHEDULES["one_shot"], kv_cache_dtype, native)
-    got = run_mla(SCHEDULES[schedule], kv_cache_dtype, native)
+def test_mla_prefill_and_absorbed_decode_agree(schedule, kv_cache_dtype):
+    expected = run_mla(SCHEDULES["one_shot"], kv_cache_dtype)
+    got = run_mla(SCHEDULES[schedule], kv_cache_dtype)
     for rid in LENGTHS:
         assert torch.allclose(got[rid], expected[rid], rtol=1e-5, atol=1e-5), (got[rid] - expected[rid]).abs().max()
 

@@ -91,3 +91,12 @@ def test_without_chunked_prefill_prompts_are_never_split():
     for r in (req("x", 12), req("a", 4), req("b", 4)):
         sched.add(r)
     assert _steps(sched)[:2] == [[("x", 12), ("a", 4)], [("x", 1), ("a", 1), ("b", 4)]]
+
+
+def test_the_default_step_budget_depends_on_the_device():
+    config = FwConfig.model_validate({})
+    assert Scheduler(config, KVCacheManager(16, 4), device="cpu").token_budget == 512
+    assert Scheduler(config, KVCacheManager(16, 4), device="cuda").token_budget == 2048
+    config = FwConfig.model_validate({"scheduler": {"max_num_batched_tokens": 64}})
+    assert Scheduler(config, KVCacheManager(16, 4), device="cpu").token_budget == 64
+    assert Scheduler(config, KVCacheManager(16, 4), device="cpu").prefill_chunk == 16  # a quarter, by default

@@ -100,7 +100,12 @@ class CacheSection(_Section):
 
 class SchedulerSection(_Section):
     max_num_seqs: int = Field(256, gt=0, description="Most requests in one batch.")
-    max_num_batched_tokens: int = Field(2048, gt=0, description="Token budget of one engine step.")
+    max_num_batched_tokens: int | None = Field(
+        None, gt=0,
+        description="Token budget of one engine step. Unset: 2048 on a GPU; 512 on a CPU, where a step costs in "
+        "proportion to its tokens already at a few hundred, so smaller steps start a burst's requests sooner (p50 "
+        "TTFT of 32 x 128-token prompts 38 s -> 25 s on a 2-core EPYC) at the same throughput.",
+    )
     enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps, mixed with decodes.")
     long_prefill_token_threshold: int | None = Field(
         None, ge=0,

@@ -89,6 +89,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config, self.kv, self.sampler.is_ready,
             connector.load().scheduler(result.options.get("kv_connector"), block_size) if connector else None,
+            device.device,
         )
         self.selected = {kind: spec.name for kind, spec in result.selected.items()}
         self.generators: dict[str, torch.Generator] = {}

@@ -77,10 +77,16 @@ class ScheduledBatch:
         return bool(self.requests)
 
 
+# The step's token budget when none is set. A GPU step costs about the same from one token to thousands (the
+# weights are read once); a CPU step costs in proportion to its tokens from a few hundred up, so there a smaller
+# budget loses no throughput and lets a burst's later requests start sooner.
+DEFAULT_TOKEN_BUDGET = {"cpu": 512, "cuda": 2048}
+
+
 class Scheduler:
     def __init__(
         self, config: FwConfig, kv: KVCacheManager, is_ready: Callable[[str], bool] = lambda _: True,
-        connector: KVConnectorScheduler | None = None,
+        connector: KVConnectorScheduler | None = None, device: str = "cpu",
     ) -> None:
         self.kv = kv
         self.connector = connector
@@ -94,7 +100,7 @@ class Scheduler:
         # Requests whose per-request preparation (e.g. grammar compilation) is still running wait, others pass.
         self.is_ready = is_ready
         self.max_num_seqs = config.scheduler.max_num_seqs
-        self.token_budget = config.scheduler.max_num_batched_tokens
+        self.token_budget = config.scheduler.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET[device]
         self.chunked_prefill = config.scheduler.enable_chunked_prefill
         # A request's prompt tokens per step: a long prompt admitted first would otherwise take whole steps while
         # the requests behind it, which the budget could start, wait. Only chunked prefill can split a prompt.
