@@ -64,6 +64,16 @@ def test_batch_invariance(models, reference, settings):
     assert tokens(llm.generate(PROMPTS, GREEDY)) == reference
 
 
+def test_without_chunked_prefill_the_budget_must_hold_a_whole_prompt(models, reference):
+    with pytest.raises(EngineError, match="--max-num-batched-tokens 64 is below max_model_len 128"):
+        LLM(models["Qwen2ForCausalLM"], num_kv_blocks=64, max_model_len=128, max_num_batched_tokens=64,
+            enable_chunked_prefill=False)
+    # Unset, the budget is the longest prompt's: every prompt runs whole, and the tokens are unchanged.
+    llm = LLM(models["Qwen2ForCausalLM"], num_kv_blocks=64, enable_chunked_prefill=False)
+    assert llm.llm_engine.scheduler.token_budget >= llm.llm_engine.max_model_len
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == reference
+
+
 def test_one_at_a_time_with_prefix_cache_hits(models, reference):
     llm = LLM(models["Qwen2ForCausalLM"], num_kv_blocks=160, block_size=4)
     for prompt, expected in zip(PROMPTS, reference, strict=True):

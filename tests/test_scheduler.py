@@ -100,3 +100,6 @@ def test_the_default_step_budget_depends_on_the_device():
     config = FwConfig.model_validate({"scheduler": {"max_num_batched_tokens": 64}})
     assert Scheduler(config, KVCacheManager(16, 4), device="cpu").token_budget == 64
     assert Scheduler(config, KVCacheManager(16, 4), device="cpu").prefill_chunk == 16  # a quarter, by default
+    config = FwConfig.model_validate({"scheduler": {"enable_chunked_prefill": False}})
+    # Without chunked prefill a prompt runs in one step: the default budget holds the longest one.
+    assert Scheduler(config, KVCacheManager(16, 4), device="cpu", max_model_len=4096).token_budget == 4096

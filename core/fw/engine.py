@@ -72,6 +72,13 @@ class LLMEngine:
         # Every id that ends a sequence (instruct models often have several: end-of-text and end-of-turn).
         self.eos_token_ids = frozenset(eos_ids) | ({self.tokenizer.eos_token_id} - {None})
         self.max_model_len = config.model.max_model_len or hf_config.get("max_position_embeddings") or 2048
+        budget = config.scheduler.max_num_batched_tokens
+        if not config.scheduler.enable_chunked_prefill and budget is not None and budget < self.max_model_len:
+            raise EngineError(
+                f"--max-num-batched-tokens {budget} is below max_model_len {self.max_model_len}: without chunked "
+                "prefill a prompt is computed in one step, so a longer one could never run; raise it, lower "
+                "--max-model-len, or leave --enable-chunked-prefill on"
+            )
         torch.manual_seed(config.model.seed)
         self.executor = Executor(config, result, hf_config, device.device)
         block_size = config.cache.block_size
@@ -89,7 +96,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config, self.kv, self.sampler.is_ready,
             connector.load().scheduler(result.options.get("kv_connector"), block_size) if connector else None,
-            device.device,
+            device.device, self.max_model_len,
         )
         self.selected = {kind: spec.name for kind, spec in result.selected.items()}
         self.generators: dict[str, torch.Generator] = {}

@@ -86,7 +86,7 @@ DEFAULT_TOKEN_BUDGET = {"cpu": 512, "cuda": 2048}
 class Scheduler:
     def __init__(
         self, config: FwConfig, kv: KVCacheManager, is_ready: Callable[[str], bool] = lambda _: True,
-        connector: KVConnectorScheduler | None = None, device: str = "cpu",
+        connector: KVConnectorScheduler | None = None, device: str = "cpu", max_model_len: int = 0,
     ) -> None:
         self.kv = kv
         self.connector = connector
@@ -100,8 +100,10 @@ class Scheduler:
         # Requests whose per-request preparation (e.g. grammar compilation) is still running wait, others pass.
         self.is_ready = is_ready
         self.max_num_seqs = config.scheduler.max_num_seqs
-        self.token_budget = config.scheduler.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET[device]
         self.chunked_prefill = config.scheduler.enable_chunked_prefill
+        # Without chunked prefill a prompt runs in one step, so the default budget holds the longest (as in vLLM).
+        default = DEFAULT_TOKEN_BUDGET[device] if self.chunked_prefill else max(DEFAULT_TOKEN_BUDGET[device], max_model_len)
+        self.token_budget = config.scheduler.max_num_batched_tokens or default
         # A request's prompt tokens per step: a long prompt admitted first would otherwise take whole steps while
         # the requests behind it, which the budget could start, wait. Only chunked prefill can split a prompt.
         threshold = config.scheduler.long_prefill_token_threshold
