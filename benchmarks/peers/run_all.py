@@ -76,15 +76,16 @@ def cpu() -> dict:
         name, _, value = (part.strip() for part in line.partition(":"))
         if name in ("model name", "cpu family", "model", "flags") and name not in info:
             info[name] = value
-    prefixes, parts = ("avx", "amx", "fma", "f16c"), ("vnni", "bf16", "fp16")
-    flags = [f for f in info.get("flags", "").split() if f.startswith(prefixes) or any(p in f for p in parts)]
+    from fw.kernels import relevant_flags  # the flags fw's kernel choice depends on
+
     return {"model_name": info.get("model name", ""), "family": info.get("cpu family", ""),
-            "model": info.get("model", ""), "flags": " ".join(sorted(flags)), "cpus": os.cpu_count()}
+            "model": info.get("model", ""), "flags": relevant_flags(" ".join(sorted(info.get("flags", "").split()))),
+            "cpus": os.cpu_count()}
 
 
 def heading(machine: dict) -> str:
     return (f"{machine['model_name']} (family {machine['family']} model {machine['model']}), "
-            f"{machine['cpus']} CPUs, flags: `{machine['flags'] or 'none of avx/amx/fma/f16c/vnni/bf16/fp16'}`")
+            f"{machine['cpus']} CPUs, flags: `{machine['flags'] or 'no vector extensions'}`")
 
 
 def table(results: list[dict], num_prompts: int) -> str:
