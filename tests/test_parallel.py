@@ -202,6 +202,9 @@ def _pipeline_worker(rank: int, init_method: str, path: str, parallel: dict, que
         runner.model.register_forward_pre_hook(lambda *_: starts.append(time.monotonic()))
         runner.model.register_forward_hook(ended)
         logits = [runner.execute(_step_inputs(*step)) for step in MICRO_BATCH_STEPS]
+        # By value: a queued tensor shares its storage through a socket that dies with this process, so the
+        # parent's get can fail once the worker has exited.
+        logits = [None if x is None else x.numpy() for x in logits]
         queue.put((rank, list(runner.model.stage), starts, ends, logits))
     finally:
         distributed.destroy_parallel(comm_cls)
@@ -237,7 +240,7 @@ def test_pipeline_stages_overlap_on_micro_batches(checkpoint, partition, stages)
     with torch.inference_mode():
         expected = [single.execute(_step_inputs(*step)) for step in MICRO_BATCH_STEPS]
     for got, want in zip(logits, expected, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-5, atol=1e-5)
 
 
 def _kv_worker(rank: int, init_method: str, path: str, queue) -> None:
