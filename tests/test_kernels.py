@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from fw import kernels
+from fw import kernels, native
 from fw.interfaces.attention import AttentionLayerSpec
 from fw.layers import dense
 from fw_attention_torch import backend as torch_attention
@@ -277,7 +277,7 @@ def _attention_examples(op):
         yield layer, sample, ()
 
 
-EXAMPLES = {"dense.linear": _dense_examples, "dense.logits": _dense_examples, "gguf.linear": _gguf_examples,
+EXAMPLES = {"dense.linear": _dense_examples, "dense.logits": _dense_examples, "gguf.linear": _gguf_examples, "gguf.linear.a8": _gguf_examples,
             "fp8.linear": _fp8_examples, "int.linear": _int_examples, "int.linear.a8": _int_examples,
             "int8.linear": _eight_bit_examples, "int8.linear.a8": _eight_bit_examples,
             "fp8.linear.a8": _eight_bit_examples, "attention.decode": _attention_examples,
@@ -316,9 +316,9 @@ def test_every_candidate_matches_the_reference_on_every_row_class(op_name):
 
 
 # The native candidates every CPU with a compiler runs.
-NATIVE = {"dense.logits": {"fw-portable"}, "gguf.linear": {"fw"}, "fp8.linear": {"fw"}, "int.linear": {"fw"},
-          "int.linear.a8": {"fw"}, "int8.linear": {"fw"}, "int8.linear.a8": {"fw"}, "fp8.linear.a8": {"fw"},
-          "attention.decode": {"fw"}}
+NATIVE = {"dense.linear": {"fw-plain", "fw-gemm"}, "dense.logits": {"fw-plain"}, "gguf.linear": {"fw"}, "gguf.linear.a8": {"fw"}, "fp8.linear": {"fw"},
+          "int.linear": {"fw"}, "int.linear.a8": {"fw"}, "int8.linear": {"fw"}, "int8.linear.a8": {"fw"},
+          "fp8.linear.a8": {"fw"}, "attention.decode": {"fw"}}
 
 
 def _key(op_name: str, weight, sample) -> tuple:
@@ -341,6 +341,7 @@ def test_the_dense_candidates_this_cpu_runs(cache):
     names = {c.name for c in dense.LINEAR.supported(key)}
     assert {"torch", "torch-fp32"} <= names
     assert ("onednn" in names) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert ("fw-plain" in names) == native.load("fw_dense", dense._SOURCE)
     assert {c.name for c in dense.LINEAR.supported((96, 64, "float32"))} == {"torch"}
 
 
@@ -361,3 +362,22 @@ def test_fw_kernels_forces_the_attention_kernels_of_a_model(cache, monkeypatch, 
     assert chosen and all(c.prefill.names == ("torch-fp32",) * len(torch_attention.PREFILL_ROWS) for c in chosen)
     assert all(c.decode.names == ("torch",) * len(torch_attention.DECODE.rows) for c in chosen)
     assert chunks == [5] * len(chosen)  # the prompt, once per layer
+
+
+@pytest.mark.skipif(not native.load("fw_dense", dense._SOURCE), reason="no C++ compiler")
+def test_the_plain_dense_kernel_on_ragged_shapes():
+    """fw-plain's vector loop takes 16 input features at a time, 4 weight rows and up to 4 activation rows:
+    every remainder of each, float32 and bf16 out (the latter its own float32 sum + bias, rounded to nearest even)."""
+    gen = torch.Generator().manual_seed(0)
+    for out_features, in_features in ((1, 1), (7, 15), (13, 16), (6, 33), (101, 130)):
+        w = (0.1 * torch.randn(out_features, in_features, generator=gen)).bfloat16()
+        bias = torch.randn(out_features, generator=gen).bfloat16()
+        for rows in (0, 1, 2, 3, 4, 5, 6, 7, 9):
+            x = torch.randn(in_features, rows, generator=gen).bfloat16().t()  # not contiguous
+            ref = x.double() @ w.double().t()
+            summed = torch.ops.fw_dense.plain_linear(x, w, None, True)
+            assert summed.dtype == torch.float32 and summed.shape == (rows, out_features)
+            torch.testing.assert_close(summed.double(), ref, atol=1e-5, rtol=1e-5)
+            out = torch.ops.fw_dense.plain_linear(x, w, bias)
+            assert out.dtype == torch.bfloat16
+            assert torch.equal(out, (summed + bias.float()).bfloat16())

@@ -49,7 +49,7 @@ def test_lm_head_product_is_float32_on_every_path(rows, monkeypatch, tmp_path):
         tried.append(candidate.name)
     assert {"torch", "torch-fp32"} <= set(tried)
     if native.load("fw_dense", dense._SOURCE):
-        assert "fw-portable" in tried
+        assert "fw-plain" in tried
     _check(dense.logits(x.float(), w.float()), ref)  # a float32 model
     with monkeypatch.context() as m:  # off the CPU: the bf16 weight widened a chunk at a time
         m.setattr(dense, "WIDEN_CHUNK", 1000 * 576)

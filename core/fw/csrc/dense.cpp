@@ -6,13 +6,15 @@
 // The output is bf16, or float32 for the LM head: logits rounded to bf16 (an ulp of 0.125 at 20)
 // turn near-ties into exact ties that greedy decoding then breaks by token id.
 //
-// `logits` serves CPUs without AVX512-BF16: a plain [N, K] bf16 weight, float32 out, in portable
-// code the compiler vectorizes for the machine (-march=native).
+// `plain_linear` serves CPUs without AVX512-BF16 (dense.linear and the LM head alike): the plain
+// [N, K] bf16 weight torch reads, no second copy. Decode is memory-bound, so it streams each weight
+// row once, widening bf16 to float32 in registers, and dots it with the few activation rows held as
+// float32 (AVX2 + FMA; portable code the compiler vectorizes elsewhere), one horizontal sum per output.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <vector>
+#include <algorithm>
 
 #include "fw_cpu.h"
 
@@ -103,49 +105,138 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 #endif
 }
 
-// Float32 logits x [M, K] . weight [N, K]^T for a plain bf16 weight (any CPU): each weight row is read
-// from memory once and reused from L1 for every activation row, four rows of dot products at a time.
-at::Tensor logits(const at::Tensor& x, const at::Tensor& weight) {
+// A 256-bit load holds kBlock bf16 weights: shifting each 32-bit lane left by 16 gives the even ones as
+// float32, masking off its low half the odd ones (no shuffles). The activations are stored in the same
+// order (per block: the 8 even, then the 8 odd), so a block costs one load, two integer ops and two FMAs
+// per activation row.
+constexpr int64_t kBlock = 16;
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+// Input features [0, blocked(K)) go through the vector loop; the rest (all of them without AVX2) through
+// a loop the compiler vectorizes.
+inline int64_t blocked(int64_t K) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return K / kBlock * kBlock;
+#else
+  return 0;
+#endif
+}
+
+inline void store(float* y, float v) { *y = v; }
+inline void store(bf16* y, float v) { *y = fw::round_bf16(v); }
+
+// y[m, j] = x[m] . w[j] (+ bias[j]) for MR activation rows (x: float32, in the order above, row
+// stride K) and NR weight rows of K bf16 each. MR x NR independent accumulators hide the FMA latency.
+template <int MR, int NR, typename Out>
+inline void tile(const float* x, const bf16* w, int64_t K, const float* bias, Out* y, int64_t ldy) {
+  float sum[MR][NR] = {};
+  const int64_t vk = blocked(K);
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
+  for (int64_t k = 0; k < vk; k += kBlock) {
+    for (int j = 0; j < NR; ++j) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * K + k));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+      for (int m = 0; m < MR; ++m) {
+        acc[m][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), even, acc[m][j]);
+        acc[m][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), odd, acc[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j) sum[m][j] = sum8(acc[m][j]);
+#endif
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j) {
+      const float* xr = x + m * K;
+      const bf16* wr = w + j * K;
+      float s = sum[m][j];
+#pragma omp simd reduction(+ : s)
+      for (int64_t k = vk; k < K; ++k) s += xr[k] * fw::f32(wr[k]);
+      store(y + m * ldy + j, bias ? s + bias[j] : s);
+    }
+}
+
+constexpr int64_t kRows = 4;  // weight rows streamed together (and activation rows per tile)
+
+// The outputs of MR activation rows for `nr` <= kRows weight rows: 4 weight rows at a time for 1-2
+// activation rows, 2 for 3-4 (16 ymm registers), then one at a time.
+template <int MR, typename Out>
+void tiles(const float* x, const bf16* w, int64_t nr, int64_t K, const float* bias, Out* y, int64_t ldy) {
+  constexpr int NR = MR <= 2 ? 4 : 2;
+  int64_t j = 0;
+  for (; j + NR <= nr; j += NR) tile<MR, NR>(x, w + j * K, K, bias ? bias + j : nullptr, y + j, ldy);
+  for (; j < nr; ++j) tile<MR, 1>(x, w + j * K, K, bias ? bias + j : nullptr, y + j, ldy);
+}
+
+template <typename Out>
+void plain_product(const float* x, int64_t M, int64_t K, const bf16* w, const float* bias, Out* y, int64_t N) {
+  const int64_t groups = (N + kRows - 1) / kRows;
+  // A thread's share is at least 64K weights: below that, waking the other thread costs more than it saves.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (kRows * K));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n = g * kRows, nr = std::min(kRows, N - n);
+      const bf16* wg = w + n * K;
+      const float* b = bias ? bias + n : nullptr;
+      // Every activation row against these weight rows while they are in L1: each is read from memory once.
+      for (int64_t m = 0; m < M; m += kRows) {
+        const float* xm = x + m * K;
+        Out* ym = y + m * N + n;
+        switch (std::min(kRows, M - m)) {
+          case 4: tiles<4>(xm, wg, nr, K, b, ym, N); break;
+          case 3: tiles<3>(xm, wg, nr, K, b, ym, N); break;
+          case 2: tiles<2>(xm, wg, nr, K, b, ym, N); break;
+          default: tiles<1>(xm, wg, nr, K, b, ym, N); break;
+        }
+      }
+    }
+  });
+}
+
+// x [M, K] (any float dtype); weight [N, K] bf16, as torch stores it; bias [N] or None. Returns [M, N]
+// in bf16 (rounded to nearest even), or float32 when `float_out`; float32 accumulation either way.
+at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                        bool float_out) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "bad arguments");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "weight and x disagree on the input size");
   const auto xf = x.to(at::kFloat).contiguous();
   const auto wc = weight.contiguous();
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
+  // The activations in the vector loop's order (see kBlock).
+  auto xs = at::empty({M, K}, xf.options());
+  const float* src = xf.data_ptr<float>();
+  float* xp = xs.data_ptr<float>();
+  const int64_t vk = blocked(K);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = src + m * K;
+    float* out = xp + m * K;
+    for (int64_t b = 0; b < vk; b += kBlock)
+      for (int64_t i = 0; i < kBlock / 2; ++i) out[b + i] = row[b + 2 * i], out[b + kBlock / 2 + i] = row[b + 2 * i + 1];
+    std::copy(row + vk, row + K, out + vk);
+  }
+  auto y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   const bf16* wp = reinterpret_cast<const bf16*>(wc.data_ptr());
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(K);
-    for (int64_t n = begin; n < end; ++n) {
-      const bf16* w = wp + n * K;
-      for (int64_t k = 0; k < K; ++k) row[k] = fw::f32(w[k]);
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) {
-        const float *x0 = xp + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
-        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-#pragma omp simd reduction(+ : a0, a1, a2, a3)
-        for (int64_t k = 0; k < K; ++k) {
-          a0 += x0[k] * row[k];
-          a1 += x1[k] * row[k];
-          a2 += x2[k] * row[k];
-          a3 += x3[k] * row[k];
-        }
-        yp[m * N + n] = a0, yp[(m + 1) * N + n] = a1, yp[(m + 2) * N + n] = a2, yp[(m + 3) * N + n] = a3;
-      }
-      for (; m < M; ++m) {
-        const float* xr = xp + m * K;
-        float a = 0.f;
-#pragma omp simd reduction(+ : a)
-        for (int64_t k = 0; k < K; ++k) a += xr[k] * row[k];
-        yp[m * N + n] = a;
-      }
-    }
-  });
+  const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  if (float_out) plain_product(xp, M, K, wp, bp, y.data_ptr<float>(), N);
+  else plain_product(xp, M, K, wp, bp, reinterpret_cast<bf16*>(y.data_ptr()), N);
   return y;
 }
 
-// Whether this build (for this machine's CPU) has the kernel.
+// Whether this build (for this machine's CPU) has `linear` (plain_linear runs anywhere).
 bool supported() {
 #if defined(__AVX512BF16__)
   return true;
@@ -159,7 +250,7 @@ bool supported() {
 TORCH_LIBRARY(fw_dense, m) {
   m.def("linear(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
-  m.def("logits(Tensor x, Tensor weight) -> Tensor");
-  m.impl("logits", c10::DispatchKey::CPU, TORCH_FN(logits));
+  m.def("plain_linear(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor");
+  m.impl("plain_linear", c10::DispatchKey::CPU, TORCH_FN(plain_linear));
   m.def("supported() -> bool", TORCH_FN(supported));
 }

@@ -8,6 +8,17 @@ a shape times (``benchmarks/RESULTS.md`` has the numbers per CPU):
   pair-interleaved 16-column blocks, ``[out / 16, in / 2, 16, 2]``. On Zen 4 it
   beat oneDNN at 1-32 rows; on an AMX Xeon oneDNN beat it 2x at 32 rows.
 - ``onednn``: oneDNN's own prepacked layout (AMX where the CPU has it).
+- ``fw-plain``: fw's kernel for CPUs without AVX512-BF16 (``plain_linear`` in
+  ``fw/csrc/dense.cpp``: AVX2 + FMA, portable code elsewhere) on the plain
+  weight, no second copy. Decode is memory-bound: it streams each weight row
+  once, widening bf16 to float32 in registers. On a 2-core Zen 3 (AVX2), the
+  weight read from memory: 14-22 GB/s at 1 row (``torch`` 15-17), 13-22 at 2
+  (``torch`` 8-10), 6-10 at 8 (``torch`` 2-3).
+- ``fw-gemm``: fw's blocked GEMM for prefill-sized inputs (``fw/csrc/gemm.cpp``):
+  it widens 16-column panels of the plain bf16 weight to float32 as it packs
+  them (no second copy) for an AVX2 6 x 16 register tile. On one Zen 3 core at
+  128-256 rows: 84-88 GFLOP/s, against 62-75 for ``torch-fp32`` and 72-83 for
+  oneDNN on a prepacked float32 copy.
 - ``torch``: ``F.linear`` on the plain weight, the reference.
 - ``torch-fp32``: the plain weight widened to float32 a chunk at a time. On a
   CPU without bf16 arithmetic (AVX2) bf16 GEMMs are 3-8x slower than float32
@@ -15,7 +26,7 @@ a shape times (``benchmarks/RESULTS.md`` has the numbers per CPU):
 
 ``dense.logits`` (the LM head, float32 out on every path, since bf16 logits
 turn near-ties into exact ties): ``fw`` (the same kernel storing float32),
-``fw-portable`` (plain bf16 weight, float32 accumulation, any CPU),
+``fw-plain`` (the same kernel storing float32, any CPU),
 ``torch-fp32`` (a float32 copy of the head) and ``torch`` (widened a chunk at
 a time, also the path off the CPU).
 
@@ -32,6 +43,7 @@ import torch.nn.functional as F
 from fw import kernels, native
 
 _SOURCE = Path(__file__).parent.parent / "csrc" / "dense.cpp"
+_GEMM_SOURCE = native.INCLUDE / "gemm.cpp"
 COLUMNS = 16  # output columns per block of fw's layout
 # Weights widened to float32 at a time, here and by quant plugins that widen theirs: 4 MiB stays in cache and
 # in the allocator's pool (64 MiB chunks, mapped and faulted in afresh on every call, made widening 8x slower
@@ -57,6 +69,10 @@ def _bf16_key(key: tuple) -> bool:
 
 def _has_native(key: tuple) -> bool:
     return _bf16_key(key) and native.load("fw_dense", _SOURCE)
+
+
+def _has_gemm(key: tuple) -> bool:
+    return _bf16_key(key) and native.load("fw_gemm", _GEMM_SOURCE)
 
 
 def _has_fw_tiles(key: tuple) -> bool:
@@ -97,6 +113,10 @@ LINEAR.register(kernels.Candidate(
 LINEAR.register(kernels.Candidate(
     "onednn", lambda w, x, b=None: torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], ""),
     lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 1), "onednn", _has_onednn))
+LINEAR.register(kernels.Candidate(
+    "fw-plain", _flat(lambda w, x, b=None: torch.ops.fw_dense.plain_linear(x, w, b)), supports=_has_native))
+LINEAR.register(kernels.Candidate(
+    "fw-gemm", _flat(lambda w, x, b=None: torch.ops.fw_gemm.linear(x, w, b)), supports=_has_gemm))
 LINEAR.register(kernels.Candidate("torch", lambda w, x, b=None: F.linear(x, w, b)))
 LINEAR.register(kernels.Candidate(
     "torch-fp32", lambda w, x, b=None: widened(x, w, b).to(x.dtype), supports=_bf16_key))
@@ -104,7 +124,7 @@ LINEAR.register(kernels.Candidate(
 LOGITS.register(kernels.Candidate(
     "fw", _flat(lambda w, x: torch.ops.fw_dense.linear(x, w, None, True)), _fw_tiles, "fw-tiles", _has_fw_tiles))
 LOGITS.register(kernels.Candidate(
-    "fw-portable", _flat(lambda w, x: torch.ops.fw_dense.logits(x, w)), supports=_has_native))
+    "fw-plain", _flat(lambda w, x: torch.ops.fw_dense.plain_linear(x, w, None, True)), supports=_has_native))
 LOGITS.register(kernels.Candidate(
     "torch-fp32", lambda w, x: F.linear(x.float(), w), lambda w: w.float(), "fp32", _bf16_key))
 LOGITS.register(kernels.Candidate("torch", lambda w, x: widened(x, w)))
