@@ -24,6 +24,7 @@ from fw import LLM, SamplingParams, model_registry
 from fw.forward_context import set_forward_context
 from fw.interfaces.attention import AttentionBatch
 from fw.layers import dense
+from fw.layers.linear import int8_blocks
 from fw.model_loader import load_model
 from fw.model_registry import ModelError
 from fw.models.base import HFConfig, ModelContext
@@ -522,3 +523,67 @@ def test_native_decode_kernel_matches_dequantize_then_matmul(qtype, dtype):
         expected = x.float() @ weight.T
         tol = 1e-5 if dtype is torch.float32 else 2e-2
         torch.testing.assert_close(out.float(), expected, atol=tol * 10, rtol=tol)
+
+
+def _blocks(types_rows: list[tuple[Q, int]], size: int, seed: int) -> fw_quant_gguf.method._Blocks:
+    """Random weights in the given ggml types, one fused layer's sub-matrices side by side."""
+    rng = np.random.default_rng(seed)
+    shards, data, offset = [], [], 0
+    for qtype, rows in types_rows:
+        raw = gguf.quants.quantize(rng.standard_normal((rows, size)).astype(np.float32), qtype)
+        shards.append(fw_quant_gguf.method._Shard(qtype, offset, rows, raw.shape[1]))
+        data.append(torch.from_numpy(raw.reshape(-1).copy()))
+        offset += raw.size
+    return fw_quant_gguf.method._Blocks(torch.cat(data), *fw_quant_gguf.method._layout(shards, size))
+
+
+@pytest.mark.parametrize("types", [[Q.Q4_0], [Q.Q4_1], [Q.Q8_0], [Q.Q8_0, Q.Q4_1, Q.Q4_0]],
+                         ids=lambda ts: "-".join(t.name for t in ts))
+def test_int8_activation_kernel_is_exactly_the_emulated_rounding(types):
+    """activations=int8: the native kernel's integer block products equal the float product of the rounded
+    activations (the operation's torch reference); integer sums are exact, only float summation order differs."""
+    from fw import native
+
+    if not native.load("fw_quant_gguf", fw_quant_gguf.method._SOURCE):
+        pytest.skip("no C++ compiler: the native kernel cannot be built here (the torch emulation serves)")
+    size = 160
+    blocks = _blocks(list(zip(types, (40, 24, 8), strict=False)), size, seed=len(types))
+    weight = torch.cat([dequantize(blocks.data[c.offset : c.offset + c.nbytes].view(c.rows, c.row_bytes), c.qtype)
+                        for c in blocks.chunks]).double()
+    for rows in (1, 3, 8, 9, 0):  # 9: two groups of register rows
+        x = 3 * torch.randn(rows, size, generator=torch.Generator().manual_seed(rows))
+        if rows:
+            x[0, 32:64] = 0  # an all-zero block keeps a zero scale
+        xq, dx = int8_blocks(x)
+        assert bool((xq.abs() <= 127).all()) and bool((xq[:1, 32:64] == 0).all() and (dx[:1, 1] == 0).all())
+        rounded = (xq.double().view(rows, size // 32, 32) * dx.double()[..., None]).view(rows, size)
+        assert ((rounded - x).abs() <= dx.repeat_interleave(32, 1) / 2 + 1e-6).all()
+        expected = rounded @ weight.T
+        native_out = fw_quant_gguf.method._native_a8(blocks, x)
+        torch.testing.assert_close(native_out.double(), expected, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(native_out, fw_quant_gguf.method._emulated_a8(blocks, x), atol=1e-4, rtol=1e-5)
+        assert native_out.shape == (rows, weight.shape[0])
+    x = torch.randn(3, size).bfloat16()  # other activation dtypes go in rounded the same way and come back as they were
+    out = fw_quant_gguf.method._native_a8(blocks, x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, fw_quant_gguf.method._emulated_a8(blocks, x), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_activations_option_chooses_the_product(tiny, tmp_path, activations):
+    """int8 puts the native types' products (not other types', nor dequantized layers) on gguf.linear.a8; float
+    keeps gguf.linear, the activations as they are."""
+    path = write_gguf(tiny["LlamaForCausalLM"], tmp_path / "tiny.gguf", Q.Q4_1, {"v_proj": Q.Q5_0})
+    model = load_gguf(path, activations=activations)
+    ops = {name: m.linear_method.kernel.op for name, m in model.named_modules()
+           if hasattr(m, "linear_method") and hasattr(m.linear_method, "kernel")}
+    assert ops["model.layers.0.self_attn.qkv_proj"] == "gguf.linear"  # Q5_0 v: the native kernel cannot read it
+    assert ops["model.layers.0.mlp.gate_up_proj"] == ("gguf.linear.a8" if activations == "int8" else "gguf.linear")
+    exact = prefill_logits(load_roundtrip_reference(tiny["LlamaForCausalLM"], Q.Q4_1, {"v_proj": Q.Q5_0}), PROMPT)
+    ours = prefill_logits(model, PROMPT)
+    if activations == "float":
+        torch.testing.assert_close(ours, exact, atol=FP32_TOL, rtol=0)
+    else:  # the rounding changes the numbers, a little
+        assert 0 < (ours - exact).abs().max().item() < 0.05 * exact.abs().max().item()
+    # float by default: int8 moves SmolLM2's logits by up to 1.4 (std 6.8) and loses its answer to the README's question.
+    assert GGUFOptions().activations == "float"

@@ -12,6 +12,9 @@ Products (``fw.kernels`` operation ``gguf.linear``, chosen per CPU, shape and ro
 (bf16 GEMMs are several times slower on CPUs without bf16 arithmetic), and ``fw``, for Q4_0/Q4_1/Q8_0 on
 the CPU, is a native kernel that decodes each block in registers as it reads it: it wins at decode sizes,
 while prefill-sized inputs amortize one dequantization into a dense product better.
+With the plugin's option ``activations=int8`` products of Q4_0/Q4_1/Q8_0 blocks on the CPU are
+operation ``gguf.linear.a8``: each block of 32 activation values is rounded to int8 with its own scale first,
+as llama.cpp does, and ``fw`` multiplies bytes (exact in int32); its ``torch`` reference emulates that rounding.
 Layers whose weights are all plain floats (F32/F16/BF16), and every layer with ``dequantize=True``,
 hold a dense ``[out, in]`` weight instead, filled by dequantizing each tensor as it is loaded.
 
@@ -37,12 +40,13 @@ from torch import nn
 from fw import kernels, native
 from fw.interfaces.quant import LinearMethod, LinearSpec, QuantMethod
 from fw.layers import dense
-from fw.layers.linear import load_linear_shard
+from fw.layers.linear import int8_block_rounded, load_linear_shard
 from fw.layers.utils import check_shape
 from fw.model_loader import ModelLoadError
 from fw.tokenizer import Tokenizer
 from fw_quant_gguf import checkpoint, tokenizer
 from fw_quant_gguf.dequant import FLOAT_TYPES, dequantize, row_bytes
+from fw_quant_gguf.spec import GGUFOptions
 
 # The types the native kernel (csrc/gemv.cpp) decodes.
 _NATIVE_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
@@ -66,8 +70,10 @@ class _Shard:
 class GGUFLinearMethod(LinearMethod):
     """One linear layer whose sub-matrices have the ggml types ``shard_types``."""
 
-    def __init__(self, shard_types: list[GGMLQuantizationType], dequantize_at_load: bool) -> None:
+    def __init__(self, shard_types: list[GGMLQuantizationType], dequantize_at_load: bool,
+                 int8_activations: bool = False) -> None:
         self.shard_types = shard_types
+        self.int8_activations = int8_activations
         self.dense = dequantize_at_load or all(t in FLOAT_TYPES for t in shard_types)
         self.shards: list[_Shard] = []
         # What apply() dequantizes at a time: rows of adjacent shards of one type, at most dense.WIDEN_CHUNK weights.
@@ -118,7 +124,7 @@ class GGUFLinearMethod(LinearMethod):
             dense.pack_parameter(layer)
             return
         self.kernel = _select(layer.weight, self.shards, self.chunks, self.native_shards, self.input_size,
-                              self.params_dtype)
+                              self.params_dtype, self.int8_activations)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.dense:
@@ -140,10 +146,13 @@ def _layout(shards: list[_Shard], input_size: int) -> tuple[list[_Shard], list[i
 
 
 def _select(data: torch.Tensor, shards: list[_Shard], chunks: list[_Shard], native_shards: list[int],
-            width: int, dtype: torch.dtype) -> kernels.Selection:
+            width: int, dtype: torch.dtype, int8_activations: bool) -> kernels.Selection:
+    """The layer's product: with int8 activations where the native kernel's types are on the CPU (the only
+    products they speed up), else with the activations as they are."""
     key = (tuple((s.qtype.name, s.rows) for s in shards), width, str(dtype).removeprefix("torch."), data.device.type)
-    return PRODUCT.select(key, _Blocks(data, chunks, native_shards),
-                          lambda rows: (torch.randn(rows, width, dtype=dtype),))
+    a8 = int8_activations and data.device.type == "cpu" and all(s.qtype in _NATIVE_TYPES for s in shards)
+    return (PRODUCT_A8 if a8 else PRODUCT).select(key, _Blocks(data, chunks, native_shards),
+                                                  lambda rows: (torch.randn(rows, width, dtype=dtype),))
 
 
 def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
@@ -178,11 +187,18 @@ def _dequantized(blocks: _Blocks, x: torch.Tensor, bias: torch.Tensor | None, dt
     return out if bias is None else out + bias.to(dtype)
 
 
-def _native(blocks: _Blocks, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1]
-    out = torch.ops.fw_quant_gguf.quant_gemv(x.reshape(rows, x.shape[-1]), blocks.data, blocks.native_shards)
-    out = out.view(*x.shape[:-1], out.shape[-1])
+def _run_native(op: Callable[..., torch.Tensor], blocks: _Blocks, x: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    # 2-D inputs (every model's) skip the reshapes: a decode step makes over a hundred of these calls.
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    out = op(flat, blocks.data, blocks.native_shards)
+    if flat is not x:
+        out = out.view(*x.shape[:-1], out.shape[-1])
     return out if bias is None else out + bias
+
+
+def _native(blocks: _Blocks, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _run_native(torch.ops.fw_quant_gguf.quant_gemv, blocks, x, bias)
 
 
 def _native_supports(key: tuple) -> bool:
@@ -199,11 +215,29 @@ PRODUCT.register(kernels.Candidate(
     supports=lambda key: key[2] == "bfloat16"))
 
 
+def _emulated_a8(blocks: _Blocks, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The int8-activation product in torch: the rounded activations times the dequantized weights, in float32."""
+    rounded = int8_block_rounded(x)
+    return _dequantized(blocks, rounded, None if bias is None else bias.float(), torch.float32).to(x.dtype)
+
+
+def _native_a8(blocks: _Blocks, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _run_native(torch.ops.fw_quant_gguf.quant_gemv_a8, blocks, x, bias)
+
+
+# The same products with int8 activations (the option activations=int8): "torch" emulates the rounding exactly.
+PRODUCT_A8 = kernels.Operation("gguf.linear.a8", reference="torch")
+PRODUCT_A8.register(kernels.Candidate("fw", _native_a8, supports=_native_supports))
+PRODUCT_A8.register(kernels.Candidate("torch", _emulated_a8))
+
+
 class GGUFMethod(QuantMethod):
     def __init__(self, options: Any = None, quant_config: dict[str, Any] | None = None) -> None:
         super().__init__(options, quant_config)
         self.tensor_types: dict[str, str] = self.quant_config.get("tensor_types", {})
-        self.dequantize_at_load = bool(options is not None and options.dequantize)
+        options = options if options is not None else GGUFOptions()
+        self.dequantize_at_load = options.dequantize
+        self.int8_activations = options.activations == "int8"
 
     def get_linear_method(self, spec: LinearSpec) -> LinearMethod:
         types = []
@@ -212,7 +246,7 @@ class GGUFMethod(QuantMethod):
             if name not in self.tensor_types:
                 raise ModelLoadError(f"the GGUF file has no tensor for {name}")
             types.append(GGMLQuantizationType[self.tensor_types[name]])
-        return GGUFLinearMethod(types, self.dequantize_at_load)
+        return GGUFLinearMethod(types, self.dequantize_at_load, self.int8_activations)
 
     def get_logits_method(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """Q8_0 blocks for a head whose float32 table is exactly a Q8_0 table (as one dequantized from the file's
@@ -232,7 +266,7 @@ class GGUFMethod(QuantMethod):
             return None
         rows, width = weight.shape
         shards = [_Shard(q8, 0, rows, data.shape[1])]
-        kernel = _select(data.flatten(), shards, *_layout(shards, width), width, torch.float32)
+        kernel = _select(data.flatten(), shards, *_layout(shards, width), width, torch.float32, self.int8_activations)
         return lambda hidden: kernel(hidden.float())
 
     def checkpoint_config(self, model_path: str) -> dict[str, Any]:

@@ -1,5 +1,7 @@
 """The GGUF quant plugin's record. Light: imports neither torch nor gguf, so listing plugins stays fast."""
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from fw.interfaces import quant
@@ -14,6 +16,14 @@ class GGUFOptions(BaseModel):
         False,
         description="Dequantize every weight at load for speed when memory allows (the model then takes as "
         "much memory as an unquantized one).",
+    )
+    activations: Literal["float", "int8"] = Field(
+        "float",
+        description="int8: on the CPU, products with Q4_0/Q4_1/Q8_0 weights (the LM head's Q8_0 too) round each "
+        "block of 32 activation values to int8 with its own scale first, as llama.cpp does, and the native "
+        "kernel multiplies integers: faster decoding, a rounding several times bf16's. float: the activations "
+        "multiply the weights as they are (the reference's numerics; the default, as int8 changed the embedded "
+        "SmolLM2's answers). Other weight types and devices always use float.",
     )
 
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from fw import kernels, native
 from fw.layers import dense
+from fw.layers.linear import int8_block_rounded
 from fw.model_loader import ModelLoadError
 
 BLOCK = 32  # weights per 4-bit block (and the native kernel's unit)
@@ -139,18 +140,8 @@ PRODUCT.register(kernels.Candidate(
     "triton", _triton, supports=lambda key: key[5] == "cuda" and kernels.importable("triton")))
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [rows, K] as int8 blocks of 32 values and one float32 scale each (absmax / 127), as llama.cpp's
-    Q8_0 activations: (xq int8 [rows, K], dx float32 [rows, K / 32])."""
-    blocks = x.float().reshape(x.shape[0], x.shape[1] // BLOCK, BLOCK)
-    dx = blocks.abs().amax(-1) / 127
-    xq = (blocks / torch.where(dx > 0, dx, 1.0)[..., None]).round().clamp(-127, 127).to(torch.int8)  # half to even
-    return xq.reshape(x.shape).contiguous(), dx.contiguous()
-
-
 def _emulated_a8(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    xq, dx = quantize_activations(x.reshape(-1, x.shape[-1]))
-    rounded = (xq.float().view(*dx.shape, BLOCK) * dx[..., None]).view(*x.shape)
+    rounded = int8_block_rounded(x, BLOCK)
     return _product(w, rounded, None if bias is None else bias.float(), torch.float32).to(x.dtype)
 
 

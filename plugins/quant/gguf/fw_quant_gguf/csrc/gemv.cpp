@@ -1,11 +1,15 @@
 // Products of a few activation rows with ggml-quantized weights (Q4_0, Q4_1, Q8_0), decoding each
 // 32-weight block in registers as it streams by: the weights are read once, in their packed size,
 // instead of being dequantized into a full float matrix first. For decode steps (few rows).
+// quant_gemv multiplies the activations as they are; quant_gemv_a8 rounds them to int8 blocks first (as
+// llama.cpp does on CPUs) and multiplies bytes: a block's dot product is a few integer instructions, exact.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <vector>
 
 #include "fw_cpu.h"
@@ -17,7 +21,17 @@ enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
 
 int64_t block_bytes(int64_t qtype) { return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : 34; }
 
-inline float half(const uint8_t* p) { return _cvtsh_ss(*reinterpret_cast<const uint16_t*>(p)); }
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  const float f = e == 0 ? std::ldexp(float(m), -24) : e == 31 ? (m ? NAN : INFINITY) : std::ldexp(float(m | 0x400), e - 25);
+  return h & 0x8000 ? -f : f;
+#endif
+}
 
 // The 32 integer weights of a block (before the scale d and the offset), in element order.
 [[maybe_unused]] inline void block_ints(const uint8_t* b, int64_t qtype, float* q) {
@@ -36,6 +50,14 @@ inline float half(const uint8_t* p) { return _cvtsh_ss(*reinterpret_cast<const u
 inline float block_offset(const uint8_t* blk, int64_t qtype, float d) {
   return qtype == Q4_1 ? half(blk + 2) : qtype == Q4_0 ? -8.f * d : 0.f;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float reduce_add(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
 
 #if defined(__AVX512F__)
 // The integer weights of a block as floats: elements 0-15 and 16-31.
@@ -99,12 +121,6 @@ inline void block_vectors(const uint8_t* blk, int64_t qtype, __m256 v[4]) {
   v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
 
-inline float reduce_add(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
 // As the AVX-512 version, with one set of accumulators: 16 registers hold M <= 8 of them and a block.
 template <int M>
 void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
@@ -151,57 +167,209 @@ void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, in
 }
 #endif
 
-// y[m, n] = sum_b d_b (x_b . q_b) + offset_b sum(x_b), for the N rows of blocks at w.
-void gemv(const float* x, const float* xsum, const uint8_t* w, float* y, int64_t ldy, int64_t M, int64_t N,
-          int64_t K, int64_t qtype) {
-  const int64_t blocks = K / kBlock, bb = block_bytes(qtype);
-  using RowFn = void (*)(const float*, const float*, const uint8_t*, float*, int64_t, int64_t, int64_t, int64_t,
-                         int64_t);
-  static constexpr RowFn kRows[kMaxRows] = {dot_row<1>, dot_row<2>, dot_row<3>, dot_row<4>,
-                                            dot_row<5>, dot_row<6>, dot_row<7>, dot_row<8>};
-  if (M == 0) return;
-  const RowFn fn = kRows[M - 1];
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) fn(x, xsum, w + n * blocks * bb, y + n, ldy, blocks, bb, K, qtype);
+// --- int8 activations ---
+// Each block of 32 activation values becomes xq = round(x / dx), half to even as torch.round, with
+// dx = absmax / 127 (fw_quant_gguf.method.quantize_activations is the same rounding in torch), and
+// xs = dx * sum(xq), which the block offsets multiply. |x / dx| <= 127 up to rounding, so no clamp is needed.
+#if defined(__AVX2__)
+inline void quantize_block(const float* x, int8_t* q, float& dx, float& xs) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(x + 8 * k), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  dx = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))) / 127.f;
+  const __m256 div = _mm256_set1_ps(dx > 0.f ? dx : 1.f);
+  __m256i i[4];
+  for (int k = 0; k < 4; ++k)
+    i[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(v[k], div), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  // int32 -> int8: the packs interleave 128-bit lanes, whose 4-byte groups the permutation puts back in order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  xs = dx * static_cast<float>(_mm_cvtsi128_si32(s));
+}
+#else
+inline void quantize_block(const float* x, int8_t* q, float& dx, float& xs) {
+  float amax = 0.f;
+  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
+  dx = amax / 127.f;
+  const float div = dx > 0.f ? dx : 1.f;
+  int32_t sum = 0;
+  for (int j = 0; j < kBlock; ++j) sum += q[j] = static_cast<int8_t>(std::nearbyint(x[j] / div));
+  xs = dx * static_cast<float>(sum);
+}
+#endif
+
+// One output row for M activation rows: y = sum_b d_b dx_b (q_b . xq_b) + offset_b xs_b, with the 4-bit types'
+// unsigned nibbles as q (Q4_0's -8 is in its offset) and Q8_0's signed bytes. One row at a time: several rows
+// sharing each load of x (as the GPTQ kernel does) measured slower here, as they interleave the weight streams.
+#if defined(__AVX2__) && defined(__FMA__)
+// The 32 integer weights of a block as bytes, in element order.
+template <int64_t T>
+inline __m256i block_bytes_a8(const uint8_t* blk) {
+  if constexpr (T == Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (T == Q4_0 ? 2 : 4)));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), _mm_and_si128(qs, mask));
+}
+
+// Eight int32 sums of 4 products each of unsigned bytes u and signed bytes s: one instruction with VNNI. Without
+// it the pairs' int16 sums cannot saturate: |u| <= 128 (Q8_0 as |w|), |s| <= 127.
+inline __m256i dot_bytes(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+template <int64_t T, int M>
+void dot_row_a8(const int8_t* xq, const float* dx, const float* xs, const uint8_t* row, float* y, int64_t ldy,
+                int64_t blocks, int64_t K) {
+  constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+  __m256 acc[M];
+  float off[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), off[m] = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = row + b * bb;
+    const float d = half(blk), offset = block_offset(blk, T, d);
+    const __m256i w = block_bytes_a8<T>(blk);
+    const __m256i u = T == Q8_0 ? _mm256_sign_epi8(w, w) : w;  // Q8_0: |w| times x with w's sign
+    for (int m = 0; m < M; ++m) {
+      const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * kBlock));
+      const __m256i dot = dot_bytes(u, T == Q8_0 ? _mm256_sign_epi8(xb, w) : xb);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * dx[m * blocks + b]), acc[m]);
+      if constexpr (T != Q8_0) off[m] += offset * xs[m * blocks + b];
+    }
+  }
+  for (int m = 0; m < M; ++m) y[m * ldy] = reduce_add(acc[m]) + off[m];
+}
+#else
+template <int64_t T, int M>
+void dot_row_a8(const int8_t* xq, const float* dx, const float* xs, const uint8_t* row, float* y, int64_t ldy,
+                int64_t blocks, int64_t K) {
+  constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+  float acc[M] = {0.f};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = row + b * bb;
+    const float d = half(blk), offset = block_offset(blk, T, d);
+    int32_t q[kBlock];
+    for (int j = 0; j < 16; ++j) {
+      q[j] = T == Q8_0 ? static_cast<int8_t>(blk[2 + j]) : blk[bb - 16 + j] & 0x0f;
+      q[j + 16] = T == Q8_0 ? static_cast<int8_t>(blk[18 + j]) : blk[bb - 16 + j] >> 4;
+    }
+    for (int m = 0; m < M; ++m) {
+      int32_t dot = 0;
+      for (int j = 0; j < kBlock; ++j) dot += q[j] * xq[m * K + b * kBlock + j];
+      acc[m] += d * dx[m * blocks + b] * static_cast<float>(dot) + offset * xs[m * blocks + b];
+    }
+  }
+  for (int m = 0; m < M; ++m) y[m * ldy] = acc[m];
+}
+#endif
+
+// --- the operators ---
+
+// Checks the (byte offset, rows, ggml type) triples against the weight; returns their total rows.
+int64_t check_shards(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef shards) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x must be [rows, 32k]");
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8");
+  TORCH_CHECK(!shards.empty() && shards.size() % 3 == 0, "shards must be (offset, rows, type) triples");
+  int64_t total = 0;
+  for (size_t i = 0; i < shards.size(); i += 3) {
+    const int64_t offset = shards[i], rows = shards[i + 1], qtype = shards[i + 2];
+    TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "unsupported ggml type ", qtype);
+    TORCH_CHECK(offset >= 0 && offset + rows * (x.size(1) / kBlock) * block_bytes(qtype) <= weight.numel(),
+                "shard out of range");
+    total += rows;
+  }
+  return total;
+}
+
+// span(qtype, first row's blocks, bytes per row, first output column, columns) over every output column of
+// all the shards (side by side), in one parallel region: a fused layer's shards share its start-up cost.
+template <typename Span>
+void for_each_span(const uint8_t* w, at::IntArrayRef shards, int64_t K, int64_t total, const Span& span) {
+  at::parallel_for(0, total, 16, [&](int64_t begin, int64_t end) {
+    int64_t first = 0;  // shard i's first column
+    for (size_t i = 0; i < shards.size() && first < end; first += shards[i + 1], i += 3) {
+      const int64_t lo = std::max(begin, first), hi = std::min(end, first + shards[i + 1]);
+      if (lo >= hi) continue;
+      const int64_t bytes = K / kBlock * block_bytes(shards[i + 2]);
+      span(shards[i + 2], w + shards[i] + (lo - first) * bytes, bytes, lo, hi - lo);
+    }
   });
 }
 
 // x [M, K] (K a multiple of 32); weight: uint8, holding sub-matrices given as (byte offset, rows,
 // ggml type) triples in `shards`, each rows x K weights in blocks. Returns x.dtype [M, total rows], the
-// sub-matrices' outputs side by side (q | k | v, gate | up): one call per fused layer.
+// sub-matrices' outputs side by side (q | k | v, gate | up): one call per fused layer. Activation rows go
+// in groups of at most kMaxRows, so that the accumulators stay in registers.
 at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef shards) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x must be [rows, 32k]");
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8");
-  TORCH_CHECK(!shards.empty() && shards.size() % 3 == 0, "shards must be (offset, rows, type) triples");
-  const int64_t M = x.size(0), K = x.size(1);
-  int64_t total = 0;
-  for (size_t i = 0; i < shards.size(); i += 3) {
-    const int64_t offset = shards[i], rows = shards[i + 1], qtype = shards[i + 2];
-    TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "unsupported ggml type ", qtype);
-    TORCH_CHECK(offset >= 0 && offset + rows * (K / kBlock) * block_bytes(qtype) <= weight.numel(), "shard out of range");
-    total += rows;
-  }
+  const int64_t total = check_shards(x, weight, shards), M = x.size(0), K = x.size(1), blocks = K / kBlock;
   auto xf = x.to(at::kFloat).contiguous();
   // Each block's sum of x (for the offsets), here rather than as torch ops: a decode step makes hundreds of
   // these calls, and each op's dispatch cost more than its arithmetic.
-  const int64_t blocks = M * (K / kBlock);
-  std::vector<float> xsum(blocks);
+  std::vector<float> xsum(M * blocks);
   const float* xp = xf.data_ptr<float>();
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = 0; b < M * blocks; ++b) {
     float s = 0.f;
     for (int64_t j = 0; j < kBlock; ++j) s += xp[b * kBlock + j];
     xsum[b] = s;
   }
   auto y = at::empty({M, total}, xf.options());
-  int64_t column = 0;
-  for (size_t i = 0; i < shards.size(); i += 3) {
-    for (int64_t m = 0; m < M; m += kMaxRows) {  // rows in groups that fit the register accumulators
-      gemv(xp + m * K, xsum.data() + m * (K / kBlock),
-           weight.data_ptr<uint8_t>() + shards[i], y.data_ptr<float>() + m * total + column, total,
-           std::min(kMaxRows, M - m), shards[i + 1], K, shards[i + 2]);
-    }
-    column += shards[i + 1];
-  }
+  using RowFn = void (*)(const float*, const float*, const uint8_t*, float*, int64_t, int64_t, int64_t, int64_t,
+                         int64_t);
+  static constexpr RowFn kRows[kMaxRows] = {dot_row<1>, dot_row<2>, dot_row<3>, dot_row<4>,
+                                            dot_row<5>, dot_row<6>, dot_row<7>, dot_row<8>};
+  float* yp = y.data_ptr<float>();
+  for_each_span(weight.data_ptr<uint8_t>(), shards, K, total,
+                [&](int64_t qtype, const uint8_t* rows, int64_t bytes, int64_t c, int64_t count) {
+                  for (int64_t m = 0; m < M; m += kMaxRows)
+                    for (int64_t n = 0; n < count; ++n)
+                      kRows[std::min(kMaxRows, M - m) - 1](xp + m * K, xsum.data() + m * blocks, rows + n * bytes,
+                                                           yp + m * total + c + n, total, blocks, block_bytes(qtype),
+                                                           K, qtype);
+                });
+  return y.to(x.scalar_type());
+}
+
+using A8Fn = void (*)(const int8_t*, const float*, const float*, const uint8_t*, float*, int64_t, int64_t, int64_t);
+
+template <int64_t T, size_t... I>
+constexpr std::array<A8Fn, kMaxRows> a8_kernels(std::index_sequence<I...>) {  // for 1 .. kMaxRows activation rows
+  return {dot_row_a8<T, I + 1>...};
+}
+
+// As quant_gemv, with each block of x rounded to int8 first (quantize_block).
+at::Tensor quant_gemv_a8(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef shards) {
+  const int64_t total = check_shards(x, weight, shards), M = x.size(0), K = x.size(1), blocks = K / kBlock;
+  auto xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> dx(M * blocks), xs(M * blocks);
+  for (int64_t b = 0; b < M * blocks; ++b) quantize_block(xp + b * kBlock, xq.data() + b * kBlock, dx[b], xs[b]);
+  auto y = at::empty({M, total}, xf.options());
+  static constexpr auto kQ4_0 = a8_kernels<Q4_0>(std::make_index_sequence<kMaxRows>());
+  static constexpr auto kQ4_1 = a8_kernels<Q4_1>(std::make_index_sequence<kMaxRows>());
+  static constexpr auto kQ8_0 = a8_kernels<Q8_0>(std::make_index_sequence<kMaxRows>());
+  float* yp = y.data_ptr<float>();
+  for_each_span(weight.data_ptr<uint8_t>(), shards, K, total,
+                [&](int64_t qtype, const uint8_t* rows, int64_t bytes, int64_t c, int64_t count) {
+                  const auto& fns = qtype == Q4_0 ? kQ4_0 : qtype == Q4_1 ? kQ4_1 : kQ8_0;
+                  for (int64_t m = 0; m < M; m += kMaxRows)
+                    for (int64_t n = 0; n < count; ++n)
+                      fns[std::min(kMaxRows, M - m) - 1](xq.data() + m * K, dx.data() + m * blocks,
+                                                         xs.data() + m * blocks, rows + n * bytes,
+                                                         yp + m * total + c + n, total, blocks, K);
+                });
   return y.to(x.scalar_type());
 }
 
@@ -210,4 +378,6 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
 TORCH_LIBRARY(fw_quant_gguf, m) {
   m.def("quant_gemv(Tensor x, Tensor weight, int[] shards) -> Tensor");
   m.impl("quant_gemv", c10::DispatchKey::CPU, TORCH_FN(quant_gemv));
+  m.def("quant_gemv_a8(Tensor x, Tensor weight, int[] shards) -> Tensor");
+  m.impl("quant_gemv_a8", c10::DispatchKey::CPU, TORCH_FN(quant_gemv_a8));
 }
