@@ -169,7 +169,7 @@ void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, in
 
 // --- int8 activations ---
 // Each block of 32 activation values becomes xq = round(x / dx), half to even as torch.round, with
-// dx = absmax / 127 (fw_quant_gguf.method.quantize_activations is the same rounding in torch), and
+// dx = absmax / 127 (fw.layers.linear.int8_blocks is the same rounding in torch), and
 // xs = dx * sum(xq), which the block offsets multiply. |x / dx| <= 127 up to rounding, so no clamp is needed.
 #if defined(__AVX2__)
 inline void quantize_block(const float* x, int8_t* q, float& dx, float& xs) {
