@@ -111,14 +111,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 // per activation row.
 constexpr int64_t kBlock = 16;
 
-#if defined(__AVX2__) && defined(__FMA__)
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#endif
-
 // Input features [0, blocked(K)) go through the vector loop; the rest (all of them without AVX2) through
 // a loop the compiler vectorizes.
 inline int64_t blocked(int64_t K) {
@@ -155,7 +147,7 @@ inline void tile(const float* x, const bf16* w, int64_t K, const float* bias, Ou
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NR; ++j) sum[m][j] = sum8(acc[m][j]);
+    for (int j = 0; j < NR; ++j) sum[m][j] = fw::sum8(acc[m][j]);
 #endif
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NR; ++j) {

@@ -25,6 +25,14 @@ inline bf16 round_bf16(float f) {  // round to nearest even, as torch does; NaN 
   return (u & 0x7fffffff) > 0x7f800000 ? bf16(0x7fc0) : bf16(rounded);
 }
 
+#if defined(__AVX__)
+inline float sum8(__m256 v) {  // the eight lanes' sum
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
+
 #if defined(__AVX512F__)
 inline __m512 load_bf16x16(const bf16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

@@ -51,14 +51,6 @@ inline float block_offset(const uint8_t* blk, int64_t qtype, float d) {
   return qtype == Q4_1 ? half(blk + 2) : qtype == Q4_0 ? -8.f * d : 0.f;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-inline float reduce_add(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-#endif
-
 #if defined(__AVX512F__)
 // The integer weights of a block as floats: elements 0-15 and 16-31.
 inline void block_vectors(const uint8_t* blk, int64_t qtype, __m512& lo, __m512& hi) {
@@ -144,7 +136,7 @@ void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, in
       off[m] += offset * xsum[m * blocks + b];
     }
   }
-  for (int m = 0; m < M; ++m) y[m * ldy] = reduce_add(acc[m]) + off[m];
+  for (int m = 0; m < M; ++m) y[m * ldy] = fw::sum8(acc[m]) + off[m];
 }
 #else
 template <int M>
@@ -249,7 +241,7 @@ void dot_row_a8(const int8_t* xq, const float* dx, const float* xs, const uint8_
       if constexpr (T != Q8_0) off[m] += offset * xs[m * blocks + b];
     }
   }
-  for (int m = 0; m < M; ++m) y[m * ldy] = reduce_add(acc[m]) + off[m];
+  for (int m = 0; m < M; ++m) y[m * ldy] = fw::sum8(acc[m]) + off[m];
 }
 #else
 template <int64_t T, int M>

@@ -62,12 +62,6 @@ inline __m256i block_bytes(const uint8_t* q, int bits) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
 }
 
-inline float reduce_add(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
 // Per group: the blocks' dot products accumulate unscaled, then one multiply by the group's scale; the offsets
 // need only the activations' per-group sums (gsum [M, groups]), added once per row at the end.
 template <int M, int R>
@@ -100,7 +94,7 @@ void dot_rows(const float* x, const float* gsum, const Rows& r, int bits, float*
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int i = 0; i < R; ++i) y[m * ldy + i] = reduce_add(acc[m][i]) + row_offsets(r, i, gsum + m * r.groups, 0.f);
+    for (int i = 0; i < R; ++i) y[m * ldy + i] = fw::sum8(acc[m][i]) + row_offsets(r, i, gsum + m * r.groups, 0.f);
 }
 
 // With int8 activations (llama.cpp's way: each block of x as int8 times one scale dx) a block's integer dot
@@ -138,7 +132,7 @@ void dot_rows_a8(const int8_t* xq, const float* dx, const float* gsum, const Row
   }
   const float shift = bits == 8 ? 128.f : 0.f;  // the weights went in as q - 128
   for (int m = 0; m < M; ++m)
-    for (int i = 0; i < R; ++i) y[m * ldy + i] = reduce_add(acc[m][i]) + row_offsets(r, i, gsum + m * r.groups, shift);
+    for (int i = 0; i < R; ++i) y[m * ldy + i] = fw::sum8(acc[m][i]) + row_offsets(r, i, gsum + m * r.groups, shift);
 }
 #else
 // Without AVX2: the same sums, one weight at a time. A8: the activations are int8 blocks (xq, scales dx) and 8-bit
