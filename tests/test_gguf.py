@@ -24,7 +24,7 @@ from fw import LLM, SamplingParams, model_registry
 from fw.forward_context import set_forward_context
 from fw.interfaces.attention import AttentionBatch
 from fw.layers import dense
-from fw.layers.linear import int8_blocks
+from fw.layers.linear import int_block_rounded, int_blocks
 from fw.model_loader import load_model
 from fw.model_registry import ModelError
 from fw.models.base import HFConfig, ModelContext
@@ -537,15 +537,19 @@ def _blocks(types_rows: list[tuple[Q, int]], size: int, seed: int) -> fw_quant_g
     return fw_quant_gguf.method._Blocks(torch.cat(data), *fw_quant_gguf.method._layout(shards, size))
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16], ids=str)
 @pytest.mark.parametrize("types", [[Q.Q4_0], [Q.Q4_1], [Q.Q8_0], [Q.Q8_0, Q.Q4_1, Q.Q4_0]],
                          ids=lambda ts: "-".join(t.name for t in ts))
-def test_int8_activation_kernel_is_exactly_the_emulated_rounding(types):
-    """activations=int8: the native kernel's integer block products equal the float product of the rounded
-    activations (the operation's torch reference); integer sums are exact, only float summation order differs."""
+def test_integer_activation_kernels_are_exactly_the_emulated_rounding(types, dtype):
+    """The native kernels on integer activations (int8: activations=int8; int16: gguf.linear's fw-a16) equal the
+    float product of the rounded activations (int8: the torch reference of gguf.linear.a8); integer sums are
+    exact, only float summation order differs. int16 stays within 1e-5 of the float product."""
     from fw import native
 
     if not native.load("fw_quant_gguf", fw_quant_gguf.method._SOURCE):
         pytest.skip("no C++ compiler: the native kernel cannot be built here (the torch emulation serves)")
+    run = fw_quant_gguf.method._native_a8 if dtype == torch.int8 else fw_quant_gguf.method._native_a16
+    levels = torch.iinfo(dtype).max
     size = 160
     blocks = _blocks(list(zip(types, (40, 24, 8), strict=False)), size, seed=len(types))
     weight = torch.cat([dequantize(blocks.data[c.offset : c.offset + c.nbytes].view(c.rows, c.row_bytes), c.qtype)
@@ -554,19 +558,25 @@ def test_int8_activation_kernel_is_exactly_the_emulated_rounding(types):
         x = 3 * torch.randn(rows, size, generator=torch.Generator().manual_seed(rows))
         if rows:
             x[0, 32:64] = 0  # an all-zero block keeps a zero scale
-        xq, dx = int8_blocks(x)
-        assert bool((xq.abs() <= 127).all()) and bool((xq[:1, 32:64] == 0).all() and (dx[:1, 1] == 0).all())
+        xq, dx = int_blocks(x, dtype=dtype)
+        assert xq.dtype == dtype and bool((xq.abs() <= levels).all())
+        assert bool((xq[:1, 32:64] == 0).all() and (dx[:1, 1] == 0).all())
         rounded = (xq.double().view(rows, size // 32, 32) * dx.double()[..., None]).view(rows, size)
         assert ((rounded - x).abs() <= dx.repeat_interleave(32, 1) / 2 + 1e-6).all()
         expected = rounded @ weight.T
-        native_out = fw_quant_gguf.method._native_a8(blocks, x)
+        native_out = run(blocks, x)
         torch.testing.assert_close(native_out.double(), expected, atol=1e-4, rtol=1e-5)
-        torch.testing.assert_close(native_out, fw_quant_gguf.method._emulated_a8(blocks, x), atol=1e-4, rtol=1e-5)
+        if dtype == torch.int8:
+            torch.testing.assert_close(native_out, fw_quant_gguf.method._emulated_a8(blocks, x), atol=1e-4, rtol=1e-5)
+        elif rows:
+            scale = x.abs().max().item() * weight.abs().sum(1).max().item()
+            assert (native_out.double() - x.double() @ weight.T).abs().max().item() <= 1e-5 * scale
         assert native_out.shape == (rows, weight.shape[0])
     x = torch.randn(3, size).bfloat16()  # other activation dtypes go in rounded the same way and come back as they were
-    out = fw_quant_gguf.method._native_a8(blocks, x)
+    out = run(blocks, x)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out, fw_quant_gguf.method._emulated_a8(blocks, x), atol=2e-2, rtol=2e-2)
+    emulated = (int_block_rounded(x, dtype=dtype).double() @ weight.T).bfloat16()
+    torch.testing.assert_close(out, emulated, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("activations", ["float", "int8"])

@@ -22,7 +22,7 @@ from test_models import PagedRunner, reference_logits
 
 from conftest import assert_experts_match, fw_greedy, hf_greedy, load_layers
 from fw import LLM, SamplingParams, model_registry
-from fw.layers.linear import int8_blocks
+from fw.layers.linear import int_blocks
 from fw.model_loader import ModelLoadError, iter_safetensors, load_model
 from fw.models.base import HFConfig, ModelContext
 from fw.models.moe import SparseMoeBlock
@@ -342,7 +342,7 @@ def test_int8_activations_are_exactly_the_emulated_rounding(bits, group):
     w, exact = _random_weight(bits, 72, 160, group, False)
     x = torch.randn(9, 160)
     x[0, :32] = 0  # an all-zero block keeps a zero scale
-    xq, dx = int8_blocks(x)
+    xq, dx = int_blocks(x)
     assert xq.abs().max() <= 127 and bool((dx[0, 0] == 0) and (xq[0, :32] == 0).all())
     rounded = (xq.double().view(9, -1, 32) * dx.double()[..., None]).view(9, 160)
     assert ((rounded - x).abs() <= dx.repeat_interleave(32, 1) / 2 + 1e-7).all()

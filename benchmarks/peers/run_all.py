@@ -2,6 +2,7 @@
 
     python benchmarks/peers/run_all.py --model /tmp/qwen05b                     # fw, transformers, vLLM, llama.cpp
     python benchmarks/peers/run_all.py --gguf smollm2.Q4_1.gguf                 # fw vs llama.cpp on a GGUF file
+    python benchmarks/peers/run_all.py --gguf F --fw-option quant.activations=int8  # and fw with that option too
 
 Each peer script installs its engine on first use (see setup.sh). Run it on a quiet machine: every engine
 gets two threads, and anything else running skews the numbers.
@@ -36,10 +37,12 @@ def run(cmd: list[str], env: dict | None = None, whole: bool = False) -> dict:
     return json.loads(proc.stdout if whole else proc.stdout.strip().splitlines()[-1])
 
 
-def run_fw(args: argparse.Namespace, model: str) -> dict:
+def run_fw(args: argparse.Namespace, model: str, option: str | None = None) -> dict:
+    """fw's row: as a user gets it, or with one ``--plugin-option``."""
     fw = shutil.which("fw", path=str(Path(sys.executable).parent)) or shutil.which("fw") or "fw"
     common = [fw, "bench"]
     shape = [
+        *(["--plugin-option", option] if option else []),
         "--model",
         model,
         "--input-len",
@@ -55,7 +58,7 @@ def run_fw(args: argparse.Namespace, model: str) -> dict:
     thr = run([*common, "throughput", *shape, "--num-prompts", str(args.num_prompts)], env, whole=True)
     version = subprocess.run([fw, "--version"], capture_output=True, text=True).stdout.strip()
     return {
-        "engine": "fw",
+        "engine": f"fw {option}" if option else "fw",
         "versions": {"fw": version},
         "ttft_ms_median": lat["ttft_ms_median"],
         "ttft_ms_spread": lat["ttft_ms_spread"],
@@ -116,6 +119,8 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--fw-option", action="append", default=[], metavar="KIND.OPTION=VALUE",
+                   help="Also run fw with this --plugin-option, as a row of its own (repeatable).")
     p.add_argument("--out", default="peer_results.json", help="Where to write every engine's JSON.")
     args = p.parse_args()
     peers = ["llamacpp"] if args.gguf else [x for x in args.peers.split(",") if x]
@@ -123,7 +128,7 @@ def main() -> None:
     if unknown:
         p.error(f"unknown peers: {', '.join(sorted(unknown))}")
 
-    results = [run_fw(args, args.gguf or args.model)]
+    results = [run_fw(args, args.gguf or args.model, option) for option in [None, *args.fw_option]]
     shape = [
         "--input-len",
         str(args.input_len),

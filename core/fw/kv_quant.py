@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fw.layers import native_ops
+
 if TYPE_CHECKING:
     from fw.interfaces.attention import AttentionLayerSpec
 
@@ -59,8 +61,12 @@ def write_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch
              layer: AttentionLayerSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Store a step's K and V at ``slots`` of a layer's standard-layout cache, with the layer's scales; returns
     the cache's K and V parts (the kernels read the new tokens from there)."""
-    write(cache[0], slots, k, layer.k_scale)
-    write(cache[1], slots, v, layer.v_scale)
+    if (cache.dtype == k.dtype and cache.dim() == 5 and k.stride(-1) == v.stride(-1) == 1 and native_ops.usable(k)
+            and cache.is_contiguous()):
+        torch.ops.fw_layers.store_kv(cache, slots, k, v)  # the model dtype: one native copy for both
+    else:
+        write(cache[0], slots, k, layer.k_scale)
+        write(cache[1], slots, v, layer.v_scale)
     return cache[0], cache[1]
 
 

@@ -33,6 +33,40 @@ inline float sum8(__m256 v) {  // the eight lanes' sum
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight-lane versions of the AVX-512 helpers below, for CPUs without AVX-512.
+inline __m256 load_bf16x8(const bf16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline __m256 round_bf16x8(__m256 x) {  // round to bf16 and back, nearest even (finite inputs)
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+  return _mm256_castsi256_ps(_mm256_and_si256(rounded, _mm256_set1_epi32(int(0xffff0000u))));
+}
+
+inline void store_bf16x8(bf16* p, __m256 x) {  // x already rounded: keep the top halves
+  const __m256i top = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1)));
+}
+
+// exp as exp16 below, with 2^k built in the exponent bits: inputs below -87 give 0, above 88 infinity.
+inline __m256 exp8(__m256 x) {
+  const __m256 log2e = _mm256_set1_ps(1.44269504f), ln2 = _mm256_set1_ps(0.693147181f);
+  const float taylor[] = {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+  __m256 y = _mm256_max_ps(_mm256_min_ps(_mm256_mul_ps(x, log2e), _mm256_set1_ps(128.f)), _mm256_set1_ps(-127.f));
+  const __m256 k = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(y, k), ln2);
+  __m256 p = _mm256_set1_ps(taylor[0]);
+  for (int j = 1; j < 7; ++j) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(taylor[j]));
+  const __m256i biased = _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127));  // 0: zero, 255: inf
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23)));
+}
+#endif
+
 #if defined(__AVX512F__)
 inline __m512 load_bf16x16(const bf16* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

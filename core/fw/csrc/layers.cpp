@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <tuple>
 #include <type_traits>
 
@@ -205,6 +206,21 @@ void silu_rows(const T* in, T* o, int64_t rows, int64_t d) {
       }
       }
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+      const auto load8 = [](const T* p) {
+        if constexpr (kBf16<T>) return fw::load_bf16x8(p); else return _mm256_loadu_ps(p);
+      };
+      const auto round8 = [](__m256 v) {
+        if constexpr (kBf16<T>) return fw::round_bf16x8(v); else return v;
+      };
+      for (; i + 8 <= d; i += 8) {
+        const __m256 gi = load8(g + i);
+        const __m256 silu = round8(_mm256_div_ps(
+            gi, _mm256_add_ps(_mm256_set1_ps(1.f), fw::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gi)))));
+        const __m256 out = round8(_mm256_mul_ps(silu, load8(u + i)));
+        if constexpr (kBf16<T>) fw::store_bf16x8(orow + i, out); else _mm256_storeu_ps(orow + i, out);
+      }
+#endif
       for (; i < d; ++i) {
         const float gi = ld(g[i]);
         st(orow + i, rnd<T>(gi / (1.f + std::exp(-gi))) * ld(u[i]));
@@ -227,9 +243,40 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// cache [2, blocks, block_size, heads, head_size]: k and v [T, heads, head_size] (rows may be strided, as views
+// into a fused q/k/v output) stored at slots [T] (int64) of cache[0] and cache[1]. A decode step's write is a few
+// hundred bytes a layer: two index_put calls cost many times the copy.
+void store_kv(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(cache.dim() == 5 && cache.size(0) == 2 && cache.is_contiguous() && cache.device().is_cpu(),
+              "cache must be a contiguous CPU [2, blocks, block_size, heads, head_size] tensor");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "slots must be int64 [T]");
+  const int64_t tokens = slots.size(0), heads = cache.size(3), head_size = cache.size(4);
+  const int64_t capacity = cache.size(1) * cache.size(2), elem = cache.element_size();
+  for (const at::Tensor* x : {&k, &v}) {
+    TORCH_CHECK(x->scalar_type() == cache.scalar_type() && x->device().is_cpu(), "k and v must have the cache's dtype");
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == tokens && x->size(1) == heads && x->size(2) == head_size &&
+                    x->stride(2) == 1,
+                "k and v must be [T, heads, head_size] with contiguous heads");
+  }
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot out of range: ", slot[t]);
+  auto* base = static_cast<char*>(cache.data_ptr());
+  for (int part = 0; part < 2; ++part) {
+    const at::Tensor& x = part == 0 ? k : v;
+    const auto* src = static_cast<const char*>(x.data_ptr());
+    char* dst = base + part * capacity * heads * head_size * elem;
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        std::memcpy(dst + (slot[t] * heads + h) * head_size * elem,
+                    src + (t * x.stride(0) + h * x.stride(1)) * elem, head_size * elem);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fw_layers, m) {
+  m.def("store_kv(Tensor(a!) cache, Tensor slots, Tensor k, Tensor v) -> ()");
+  m.impl("store_kv", c10::DispatchKey::CPU, TORCH_FN(store_kv));
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_neox(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");

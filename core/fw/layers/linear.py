@@ -32,19 +32,21 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def int8_blocks(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [rows, K] as int8 blocks of ``block`` values with one float32 scale each (absmax / 127), as llama.cpp
-    rounds activations for its integer products: (xq int8 [rows, K], dx float32 [rows, K / block]). The quant
-    plugins' int8-activation kernels round the same way; this is their references' rounding."""
+def int_blocks(x: torch.Tensor, block: int = 32, dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [rows, K] as integer blocks of ``block`` values with one float32 scale each (absmax / the dtype's
+    largest value), as llama.cpp rounds activations to int8 for its integer products: (xq [rows, K] in ``dtype``,
+    dx float32 [rows, K / block]). The quant plugins' integer-activation kernels round the same way; this is their
+    references' rounding."""
+    levels = torch.iinfo(dtype).max
     blocks = x.float().reshape(x.shape[0], x.shape[1] // block, block)
-    dx = blocks.abs().amax(-1) / 127
-    xq = (blocks / torch.where(dx > 0, dx, 1.0)[..., None]).round().clamp(-127, 127).to(torch.int8)  # half to even
+    dx = blocks.abs().amax(-1) / levels
+    xq = (blocks / torch.where(dx > 0, dx, 1.0)[..., None]).round().clamp(-levels, levels).to(dtype)  # half to even
     return xq.reshape(x.shape).contiguous(), dx.contiguous()
 
 
-def int8_block_rounded(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """``x`` (any leading dimensions) in float32 as ``int8_blocks`` rounds it."""
-    xq, dx = int8_blocks(x.reshape(-1, x.shape[-1]), block)
+def int_block_rounded(x: torch.Tensor, block: int = 32, dtype: torch.dtype = torch.int8) -> torch.Tensor:
+    """``x`` (any leading dimensions) in float32 as ``int_blocks`` rounds it."""
+    xq, dx = int_blocks(x.reshape(-1, x.shape[-1]), block, dtype)
     return (xq.float().view(*dx.shape, block) * dx[..., None]).view(x.shape)
 
 

@@ -11,6 +11,7 @@ devices, or a machine without a compiler, keep the torch path.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -18,7 +19,13 @@ import torch
 from fw import native
 
 _SOURCE = Path(__file__).parent.parent / "csrc" / "layers.cpp"
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@functools.cache
+def _built() -> bool:  # asked a few hundred times a decode step: native.load's cache hashes a Path each time
+    return native.load("fw_layers", _SOURCE)
 
 
 def usable(x: torch.Tensor) -> bool:
-    return x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu" and native.load("fw_layers", _SOURCE)
+    return x.dtype in _DTYPES and x.device.type == "cpu" and _built()

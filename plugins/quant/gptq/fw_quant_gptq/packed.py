@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from fw import kernels, native
 from fw.layers import dense
-from fw.layers.linear import int8_block_rounded
+from fw.layers.linear import int_block_rounded
 from fw.model_loader import ModelLoadError
 
 BLOCK = 32  # weights per 4-bit block (and the native kernel's unit)
@@ -141,7 +141,7 @@ PRODUCT.register(kernels.Candidate(
 
 
 def _emulated_a8(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    rounded = int8_block_rounded(x, BLOCK)
+    rounded = int_block_rounded(x, BLOCK)
     return _product(w, rounded, None if bias is None else bias.float(), torch.float32).to(x.dtype)
 
 

@@ -32,8 +32,42 @@ inline float exp_shifted(float* s, int64_t n, float shift) {
   }
   sum = _mm512_reduce_add_ps(total);
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 total8 = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = fw::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(shift)));
+    _mm256_storeu_ps(s + i, e);
+    total8 = _mm256_add_ps(total8, e);
+  }
+  sum += fw::sum8(total8);
+#endif
   for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - shift));
   return sum;
+}
+
+// a . b and a += p b over n floats.
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  s = fw::sum8(_mm256_add_ps(acc0, acc1));
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* a, float p, const float* b, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(a + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(b + i), _mm256_loadu_ps(a + i)));
+#endif
+  for (; i < n; ++i) a[i] += p * b[i];
 }
 
 template <typename T>
@@ -56,6 +90,17 @@ inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, fw::load_bf16x16(raw + i));
   for (; i < n; ++i) dst[i] = fw::f32(raw[i]);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+template <>
+inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
+  const fw::bf16* raw = reinterpret_cast<const fw::bf16*>(src);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, fw::load_bf16x8(raw + i));
+  for (; i < n; ++i) dst[i] = fw::f32(raw[i]);
+}
+#endif
+
+#if defined(__AVX512BF16__)
 
 // 16 rows of 16 32-bit lanes -> 16 columns: r[j] lane i = input r[i] lane j.
 inline void transpose16(__m512i r[16]) {
@@ -131,17 +176,22 @@ inline bool bf16_scores(const at::BFloat16* q, const at::BFloat16* kp, Slot slot
 }
 #endif
 
-// How one head's row of the cache becomes float32 (the formats of fw/kv_quant.py).
+// How one head's row of the cache becomes float32 (the formats of fw/kv_quant.py): load returns the row's n values
+// as float32, converted into dst, or where they lie when the cache holds float32.
 template <typename T>
 struct Plain {  // the model dtype
   using Elem = T;
-  void load(const T* row, float* dst, int64_t n) const { to_float(row, dst, n); }
+  const float* load(const T* row, float* dst, int64_t n) const {
+    if constexpr (std::is_same_v<T, float>) return row;
+    to_float(row, dst, n);
+    return dst;
+  }
 };
 
 struct Fp8 {  // float8_e4m3fn times the layer's scale
   using Elem = c10::Float8_e4m3fn;
   float scale;
-  void load(const Elem* row, float* dst, int64_t n) const {
+  const float* load(const Elem* row, float* dst, int64_t n) const {
     // All 256 values, so a load is a table lookup rather than a bit-level conversion per element.
     static const std::array<float, 256> table = [] {
       std::array<float, 256> t;
@@ -150,16 +200,18 @@ struct Fp8 {  // float8_e4m3fn times the layer's scale
     }();
     const uint8_t* bits = reinterpret_cast<const uint8_t*>(row);
     for (int64_t i = 0; i < n; ++i) dst[i] = table[bits[i]] * scale;
+    return dst;
   }
 };
 
 struct Int8 {  // int8 times the row's own float32 scale, stored right after its n values
   using Elem = int8_t;
-  void load(const int8_t* row, float* dst, int64_t n) const {
+  const float* load(const int8_t* row, float* dst, int64_t n) const {
     float step;
     std::memcpy(&step, row + n, sizeof step);
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) dst[i] = row[i] * step;
+    return dst;
   }
 };
 
@@ -178,6 +230,15 @@ void decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
 
+  // fn(position, cache slot) for positions [first, len) of request r, a block at a time: no division per position.
+  auto for_each_slot = [&](int64_t r, int64_t first, int64_t len, const auto& fn) {
+    for (int64_t t = first; t < len;) {
+      const int64_t block = t / block_size, stop = std::min(len, (block + 1) * block_size);
+      const int64_t base = int64_t(tables[r * max_blocks + block]) * block_size - block * block_size;
+      for (; t < stop; ++t) fn(t, base + t);
+    }
+  };
+
   at::parallel_for(0, num_reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * head_size), acc(group * head_size), row(head_size), scores;
     for (int64_t task = begin; task < end; ++task) {
@@ -193,16 +254,10 @@ void decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
       }
       if (!scored) {
         for (int64_t i = 0; i < group * head_size; ++i) query[i] = static_cast<float>(qr[i]) * static_cast<float>(scale);
-        for (int64_t t = first; t < len; ++t) {
-          keys.load(kp + (slot(t) * kv_heads + g) * row_len, row.data(), head_size);
-          for (int64_t h = 0; h < group; ++h) {
-            const float* qh = query.data() + h * head_size;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t i = 0; i < head_size; ++i) s += qh[i] * row[i];
-            scores[h * n + t - first] = s;
-          }
-        }
+        for_each_slot(r, first, len, [&](int64_t t, int64_t at) {
+          const float* k = keys.load(kp + (at * kv_heads + g) * row_len, row.data(), head_size);
+          for (int64_t h = 0; h < group; ++h) scores[h * n + t - first] = dot(query.data() + h * head_size, k, head_size);
+        });
       }
       for (int64_t h = 0; h < group; ++h) {
         float* s = scores.data() + h * n;
@@ -212,18 +267,14 @@ void decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
         }
         const float top = *std::max_element(s, s + n);
         const float sum = exp_shifted(s, n, top);
-        for (int64_t t = 0; t < n; ++t) s[t] /= sum;
+        const float inverse = 1.f / sum;
+        for (int64_t t = 0; t < n; ++t) s[t] *= inverse;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = first; t < len; ++t) {
-        values.load(vp + (slot(t) * kv_heads + g) * row_len, row.data(), head_size);
-        for (int64_t h = 0; h < group; ++h) {
-          const float p = scores[h * n + t - first];
-          float* a = acc.data() + h * head_size;
-#pragma omp simd
-          for (int64_t i = 0; i < head_size; ++i) a[i] += p * row[i];
-        }
-      }
+      for_each_slot(r, first, len, [&](int64_t t, int64_t at) {
+        const float* v = values.load(vp + (at * kv_heads + g) * row_len, row.data(), head_size);
+        for (int64_t h = 0; h < group; ++h) axpy(acc.data() + h * head_size, scores[h * n + t - first], v, head_size);
+      });
       T* o = op + (r * num_heads + g * group) * head_size;
       for (int64_t i = 0; i < group * head_size; ++i) o[i] = static_cast<T>(acc[i]);
     }

@@ -1,8 +1,9 @@
 // Products of a few activation rows with ggml-quantized weights (Q4_0, Q4_1, Q8_0), decoding each
 // 32-weight block in registers as it streams by: the weights are read once, in their packed size,
 // instead of being dequantized into a full float matrix first. For decode steps (few rows).
-// quant_gemv multiplies the activations as they are; quant_gemv_a8 rounds them to int8 blocks first (as
-// llama.cpp does on CPUs) and multiplies bytes: a block's dot product is a few integer instructions, exact.
+// quant_gemv multiplies the activations as they are; quant_gemv_a8 and quant_gemv_a16 round them to int8 (as
+// llama.cpp does on CPUs) or int16 blocks first and multiply integers: a block's dot product is a few integer
+// instructions, exact.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -159,26 +160,37 @@ void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, in
 }
 #endif
 
-// --- int8 activations ---
+// --- integer activations ---
 // Each block of 32 activation values becomes xq = round(x / dx), half to even as torch.round, with
-// dx = absmax / 127 (fw.layers.linear.int8_blocks is the same rounding in torch), and
-// xs = dx * sum(xq), which the block offsets multiply. |x / dx| <= 127 up to rounding, so no clamp is needed.
+// dx = absmax / L: L = 127 for int8 (as llama.cpp) and 32767 for int16 (fw.layers.linear.int_blocks is the same
+// rounding in torch), and xs = dx * sum(xq), which the block offsets multiply. |x / dx| <= L up to rounding, so
+// no clamp is needed. int16 keeps the float product to about 1e-5 (relative to a block's largest value) while
+// its integer products take a third of the instructions of widening the weights to float.
+template <typename A>
+constexpr float kLevels = sizeof(A) == 1 ? 127.f : 32767.f;
+
 #if defined(__AVX2__)
-inline void quantize_block(const float* x, int8_t* q, float& dx, float& xs) {
+template <typename A>
+inline void quantize_block(const float* x, A* q, float& dx, float& xs) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4], amax = _mm256_setzero_ps();
   for (int k = 0; k < 4; ++k) v[k] = _mm256_loadu_ps(x + 8 * k), amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  dx = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))) / 127.f;
+  dx = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))) / kLevels<A>;
   const __m256 div = _mm256_set1_ps(dx > 0.f ? dx : 1.f);
   __m256i i[4];
   for (int k = 0; k < 4; ++k)
     i[k] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(v[k], div), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  // int32 -> int8: the packs interleave 128-bit lanes, whose 4-byte groups the permutation puts back in order.
-  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                      _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  // The packs interleave 128-bit lanes; the permutations put their groups back in order.
+  const __m256i lo = _mm256_packs_epi32(i[0], i[1]), hi = _mm256_packs_epi32(i[2], i[3]);
+  if constexpr (sizeof(A) == 1) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(lo, hi), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permute4x64_epi64(lo, 0xd8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm256_permute4x64_epi64(hi, 0xd8));
+  }
   const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -186,13 +198,14 @@ inline void quantize_block(const float* x, int8_t* q, float& dx, float& xs) {
   xs = dx * static_cast<float>(_mm_cvtsi128_si32(s));
 }
 #else
-inline void quantize_block(const float* x, int8_t* q, float& dx, float& xs) {
+template <typename A>
+inline void quantize_block(const float* x, A* q, float& dx, float& xs) {
   float amax = 0.f;
   for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
-  dx = amax / 127.f;
+  dx = amax / kLevels<A>;
   const float div = dx > 0.f ? dx : 1.f;
   int32_t sum = 0;
-  for (int j = 0; j < kBlock; ++j) sum += q[j] = static_cast<int8_t>(std::nearbyint(x[j] / div));
+  for (int j = 0; j < kBlock; ++j) sum += q[j] = static_cast<A>(std::nearbyint(x[j] / div));
   xs = dx * static_cast<float>(sum);
 }
 #endif
@@ -203,7 +216,7 @@ inline void quantize_block(const float* x, int8_t* q, float& dx, float& xs) {
 #if defined(__AVX2__) && defined(__FMA__)
 // The 32 integer weights of a block as bytes, in element order.
 template <int64_t T>
-inline __m256i block_bytes_a8(const uint8_t* blk) {
+inline __m256i block_bytes_int(const uint8_t* blk) {
   if constexpr (T == Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
   const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (T == Q4_0 ? 2 : 4)));
   const __m128i mask = _mm_set1_epi8(0x0f);
@@ -222,9 +235,40 @@ inline __m256i dot_bytes(__m256i u, __m256i s) {
 #endif
 }
 
-template <int64_t T, int M>
-void dot_row_a8(const int8_t* xq, const float* dx, const float* xs, const uint8_t* row, float* y, int64_t ldy,
-                int64_t blocks, int64_t K) {
+// A block's weights, ready for A activations; dot(xq) gives eight int32 partial sums of q . xq.
+template <int64_t T, typename A>
+struct IntBlock;
+
+template <int64_t T>
+struct IntBlock<T, int8_t> {  // unsigned times signed bytes: Q8_0 as |w| times x with w's sign
+  __m256i w, u;
+  explicit IntBlock(const uint8_t* blk) : w(block_bytes_int<T>(blk)), u(T == Q8_0 ? _mm256_sign_epi8(w, w) : w) {}
+  __m256i dot(const int8_t* xq) const {
+    const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+    return dot_bytes(u, T == Q8_0 ? _mm256_sign_epi8(xb, w) : xb);
+  }
+};
+
+template <int64_t T>
+struct IntBlock<T, int16_t> {  // int16 pairs: |q| <= 128 and |xq| <= 32767 cannot overflow the int32 sums
+  __m256i lo, hi;  // elements 0-15 and 16-31
+  explicit IntBlock(const uint8_t* blk) {
+    const __m256i w = block_bytes_int<T>(blk);
+    if constexpr (T == Q8_0) {
+      lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w)), hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+    } else {
+      lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w)), hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
+    }
+  }
+  __m256i dot(const int16_t* xq) const {
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq))),
+                            _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16))));
+  }
+};
+
+template <int64_t T, typename A, int M>
+void dot_row_int(const A* xq, const float* dx, const float* xs, const uint8_t* row, float* y, int64_t ldy,
+                 int64_t blocks, int64_t K) {
   constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
   __m256 acc[M];
   float off[M];
@@ -232,11 +276,9 @@ void dot_row_a8(const int8_t* xq, const float* dx, const float* xs, const uint8_
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = row + b * bb;
     const float d = half(blk), offset = block_offset(blk, T, d);
-    const __m256i w = block_bytes_a8<T>(blk);
-    const __m256i u = T == Q8_0 ? _mm256_sign_epi8(w, w) : w;  // Q8_0: |w| times x with w's sign
+    const IntBlock<T, A> w(blk);
     for (int m = 0; m < M; ++m) {
-      const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * kBlock));
-      const __m256i dot = dot_bytes(u, T == Q8_0 ? _mm256_sign_epi8(xb, w) : xb);
+      const __m256i dot = w.dot(xq + m * K + b * kBlock);
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * dx[m * blocks + b]), acc[m]);
       if constexpr (T != Q8_0) off[m] += offset * xs[m * blocks + b];
     }
@@ -244,9 +286,9 @@ void dot_row_a8(const int8_t* xq, const float* dx, const float* xs, const uint8_
   for (int m = 0; m < M; ++m) y[m * ldy] = fw::sum8(acc[m]) + off[m];
 }
 #else
-template <int64_t T, int M>
-void dot_row_a8(const int8_t* xq, const float* dx, const float* xs, const uint8_t* row, float* y, int64_t ldy,
-                int64_t blocks, int64_t K) {
+template <int64_t T, typename A, int M>
+void dot_row_int(const A* xq, const float* dx, const float* xs, const uint8_t* row, float* y, int64_t ldy,
+                 int64_t blocks, int64_t K) {
   constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
   float acc[M] = {0.f};
   for (int64_t b = 0; b < blocks; ++b) {
@@ -333,25 +375,27 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
   return y.to(x.scalar_type());
 }
 
-using A8Fn = void (*)(const int8_t*, const float*, const float*, const uint8_t*, float*, int64_t, int64_t, int64_t);
+template <typename A>
+using IntFn = void (*)(const A*, const float*, const float*, const uint8_t*, float*, int64_t, int64_t, int64_t);
 
-template <int64_t T, size_t... I>
-constexpr std::array<A8Fn, kMaxRows> a8_kernels(std::index_sequence<I...>) {  // for 1 .. kMaxRows activation rows
-  return {dot_row_a8<T, I + 1>...};
+template <int64_t T, typename A, size_t... I>
+constexpr std::array<IntFn<A>, kMaxRows> int_kernels(std::index_sequence<I...>) {  // for 1 .. kMaxRows rows
+  return {dot_row_int<T, A, I + 1>...};
 }
 
-// As quant_gemv, with each block of x rounded to int8 first (quantize_block).
-at::Tensor quant_gemv_a8(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef shards) {
+// As quant_gemv, with each block of x rounded to A (int8 or int16) first (quantize_block).
+template <typename A>
+at::Tensor quant_gemv_int(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef shards) {
   const int64_t total = check_shards(x, weight, shards), M = x.size(0), K = x.size(1), blocks = K / kBlock;
   auto xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
-  std::vector<int8_t> xq(M * K);
+  std::vector<A> xq(M * K);
   std::vector<float> dx(M * blocks), xs(M * blocks);
   for (int64_t b = 0; b < M * blocks; ++b) quantize_block(xp + b * kBlock, xq.data() + b * kBlock, dx[b], xs[b]);
   auto y = at::empty({M, total}, xf.options());
-  static constexpr auto kQ4_0 = a8_kernels<Q4_0>(std::make_index_sequence<kMaxRows>());
-  static constexpr auto kQ4_1 = a8_kernels<Q4_1>(std::make_index_sequence<kMaxRows>());
-  static constexpr auto kQ8_0 = a8_kernels<Q8_0>(std::make_index_sequence<kMaxRows>());
+  static constexpr auto kQ4_0 = int_kernels<Q4_0, A>(std::make_index_sequence<kMaxRows>());
+  static constexpr auto kQ4_1 = int_kernels<Q4_1, A>(std::make_index_sequence<kMaxRows>());
+  static constexpr auto kQ8_0 = int_kernels<Q8_0, A>(std::make_index_sequence<kMaxRows>());
   float* yp = y.data_ptr<float>();
   for_each_span(weight.data_ptr<uint8_t>(), shards, K, total,
                 [&](int64_t qtype, const uint8_t* rows, int64_t bytes, int64_t c, int64_t count) {
@@ -371,5 +415,7 @@ TORCH_LIBRARY(fw_quant_gguf, m) {
   m.def("quant_gemv(Tensor x, Tensor weight, int[] shards) -> Tensor");
   m.impl("quant_gemv", c10::DispatchKey::CPU, TORCH_FN(quant_gemv));
   m.def("quant_gemv_a8(Tensor x, Tensor weight, int[] shards) -> Tensor");
-  m.impl("quant_gemv_a8", c10::DispatchKey::CPU, TORCH_FN(quant_gemv_a8));
+  m.impl("quant_gemv_a8", c10::DispatchKey::CPU, TORCH_FN(quant_gemv_int<int8_t>));
+  m.def("quant_gemv_a16(Tensor x, Tensor weight, int[] shards) -> Tensor");
+  m.impl("quant_gemv_a16", c10::DispatchKey::CPU, TORCH_FN(quant_gemv_int<int16_t>));
 }

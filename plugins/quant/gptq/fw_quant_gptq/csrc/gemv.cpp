@@ -231,7 +231,7 @@ at::Tensor int_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
 }
 
 // As int_gemv, with x rounded to int8 blocks first: each block of 32 values times dx = absmax / 127, the
-// integers rounded half to even (fw.layers.linear.int8_blocks is the same rounding in torch).
+// integers rounded half to even (fw.layers.linear.int_blocks is the same rounding in torch).
 at::Tensor int_gemv_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
                        int64_t bits, int64_t group) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, K]");
