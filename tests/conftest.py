@@ -10,6 +10,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -109,6 +110,23 @@ def fw_serve(*args: str, env: dict[str, str] | None = None, command: str = "serv
                     proc.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+
+@contextmanager
+def together(*managers):
+    """Enters the context managers ``managers`` (`fw_serve`s whose starts do not wait on each other) each on a
+    thread of its own, so that their starts overlap, and exits them the same way; yields what they yield, in order.
+    If one fails to enter, those that did are exited and its error is raised."""
+    with ThreadPoolExecutor(len(managers)) as pool:
+        entering = [pool.submit(m.__enter__) for m in managers]
+    entered = [m for m, future in zip(managers, entering, strict=True) if future.exception() is None]
+    try:
+        yield [future.result() for future in entering]
+    finally:
+        with ThreadPoolExecutor(max(1, len(entered))) as pool:
+            exits = [pool.submit(m.__exit__, None, None, None) for m in entered]
+        for future in exits:
+            future.result()
 
 
 def metric_values(base: str) -> dict[str, float]:

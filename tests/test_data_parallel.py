@@ -10,7 +10,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import fw_serve
+from conftest import fw_serve, together
 from fw import LLM
 from fw.data_parallel import BALANCE, DataParallelEngine, Replica, prompt_block_hashes
 from fw.engine import EngineError
@@ -46,9 +46,8 @@ def test_two_replicas_share_the_requests_and_answer_as_one(model):
         return [r.json()["choices"][0]["text"] for r in replies]
 
     serve = ("--model", str(model), "--served-model-name", "tiny", "--num-kv-blocks", "64")
-    with fw_serve(*serve) as (single, _):
+    with together(fw_serve(*serve), fw_serve(*serve, "-dp", "2")) as ((single, _), (base, _)):  # they start at once
         expected = answers(single)
-    with fw_serve(*serve, "-dp", "2") as (base, _):
         got = answers(base)
         routed = labelled(base, "fw:requests_routed_total")
         running = labelled(base, "fw:num_requests_running")

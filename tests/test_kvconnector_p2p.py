@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
-from conftest import free_port, fw_serve, metric_values
+from conftest import free_port, fw_serve, metric_values, together
 from fw import LLM, SamplingParams
 from fw.testing.conformance import KVConnectorConformance
 from fw.testing.models import make_tiny_model
@@ -42,6 +45,20 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": list(range(3, 67)) + tail} for tail in ([90], [91, 92, 93, 94, 95], list(range(5, 40)))]
 
 
+# A colocated instance's answers to check_router_in_front_of's requests, by checkpoint content and `fw serve`
+# arguments: the connectors' modules write the same tiny checkpoint, and one instance answers for all of them.
+_COLOCATED: dict[tuple, list[str]] = {}
+_REFERENCE: dict[str, list[list[int]]] = {}  # reference's, by checkpoint digest
+
+
+def checkpoint_digest(path) -> str:
+    """sha256 over a checkpoint folder's file names and bytes."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in Path(path).rglob("*") if p.is_file()):
+        digest.update(file.relative_to(path).as_posix().encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("p2p") / "llama")
@@ -49,7 +66,13 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    return [o.outputs[0].token_ids for o in LLM(model, num_kv_blocks=64).generate(PROMPTS, GREEDY, use_tqdm=False)]
+    """One engine's greedy tokens for PROMPTS; computed once per checkpoint content (the mooncake and nixl modules
+    use this fixture on the same tiny checkpoint), a fresh copy for each module."""
+    digest = checkpoint_digest(model)
+    if digest not in _REFERENCE:
+        outputs = LLM(model, num_kv_blocks=64).generate(PROMPTS, GREEDY, use_tqdm=False)
+        _REFERENCE[digest] = [o.outputs[0].token_ids for o in outputs]
+    return [list(tokens) for tokens in _REFERENCE[digest]]
 
 
 def p2p_llm(model, prefix_caching=True, connector="p2p", **options):
@@ -153,12 +176,18 @@ def check_router_in_front_of(model, producer, consumer):
         return [r.json()["choices"][0]["text"] for r in replies]
 
     serve = ("--model", str(model), "--served-model-name", "tiny", "--num-kv-blocks", "256")
-    with fw_serve(*serve) as (colocated, _):
-        expected = answers(colocated)
-    with (fw_serve(*serve, *producer) as (prefill, _), fw_serve(*serve, *consumer) as (decode, _),
-          fw_serve("--prefill", prefill, "--decode", decode, command="router") as (router, _)):
-        got = answers(router)
-        metrics = metric_values(decode)
+    key = (checkpoint_digest(model), serve[2:], json.dumps(bodies))
+    # The consumer asks its producer nothing before the first request: the two (and a colocated instance, the
+    # first time) start at once.
+    colocated = [] if key in _COLOCATED else [fw_serve(*serve)]
+    with together(fw_serve(*serve, *producer), fw_serve(*serve, *consumer), *colocated) as started:
+        (prefill, _), (decode, _) = started[:2]
+        if colocated:
+            _COLOCATED[key] = answers(started[2][0])
+        with fw_serve("--prefill", prefill, "--decode", decode, command="router") as (router, _):
+            got = answers(router)
+            metrics = metric_values(decode)
+    expected = _COLOCATED[key]
     assert got == expected
     assert metrics["fw:external_prefix_cache_hits_total"] == sum(len(p) - 1 for p in prompts)
     assert metrics["fw:kv_load_failures_total"] == 0
@@ -170,8 +199,9 @@ def test_a_decode_instance_killed_mid_request(model):
     port = free_port()
     serve = ("--model", str(model), "--served-model-name", "tiny", "--num-kv-blocks", "256")
     body = {"model": "tiny", "prompt": list(range(3, 60)), "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with (fw_serve(*serve, *connector_args("p2p", role="producer", port=port)) as (prefill, _),
-          fw_serve(*serve, *connector_args("p2p", role="consumer", peer=f"127.0.0.1:{port}")) as (decode, proc),
+    with (together(fw_serve(*serve, *connector_args("p2p", role="producer", port=port)),
+                   fw_serve(*serve, *connector_args("p2p", role="consumer", peer=f"127.0.0.1:{port}")))
+          as ((prefill, _), (decode, proc)),
           fw_serve("--prefill", prefill, "--decode", decode, "--health-interval", "0.5", command="router")
           as (router, _)):
         with httpx.stream("POST", f"{router}/v1/completions", json=body, timeout=60) as stream:
@@ -212,9 +242,9 @@ def a_pull_in_flight(model, tmp_path, body):
             "FW_TEST_PULL_MARK": str(mark)}
     port = free_port()
     serve = ("--model", str(model), "--served-model-name", "tiny", "--num-kv-blocks", "256")
-    with (fw_serve(*serve, *connector_args("p2p", role="producer", port=port), env=slow) as (prefill, pproc),
-          fw_serve(*serve, *connector_args("p2p", role="consumer", peer=f"127.0.0.1:{port}", transport="shm"))
-          as (decode, dproc),
+    with (together(fw_serve(*serve, *connector_args("p2p", role="producer", port=port), env=slow),
+                   fw_serve(*serve, *connector_args("p2p", role="consumer", peer=f"127.0.0.1:{port}", transport="shm")))
+          as ((prefill, pproc), (decode, dproc)),
           fw_serve("--prefill", prefill, "--decode", decode, "--health-interval", "0.5", command="router")
           as (router, _),
           ThreadPoolExecutor(1) as pool):

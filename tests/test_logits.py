@@ -108,30 +108,70 @@ def test_greedy_breaks_a_near_tie_by_the_float32_logits(tmp_path):
     assert out.outputs[0].token_ids == [winner]
 
 
+# One process per FW_NATIVE value (read once per process, when the native kernels load), asking under each of
+# its FW_KERNELS values in turn: FW_KERNELS is read each time a layer picks its kernel, so it is set before each
+# LLM. What each LLM's layers chose is reported with its answers, so that a test sees its forcing take effect.
 _README_CHAT = """
-import json, sys
-from fw import LLM, SamplingParams
-answers = {}
-for dtype in ("auto", "float32"):
-    llm = LLM(dtype=dtype, max_model_len=512)
-    out = llm.chat(%s, SamplingParams(temperature=0, max_tokens=32))
-    answers[dtype] = out[0].outputs[0].text
-    llm.shutdown()
-print(json.dumps(answers))
+import json, os, sys, traceback
+from fw import LLM, SamplingParams, kernels
+results = {}
+for forced in json.loads(sys.argv[1]):
+    os.environ["FW_KERNELS"] = forced
+    answers, chosen = {}, {}
+    try:
+        for dtype in ("auto", "float32"):
+            kernels._CHOSEN.clear()
+            llm = LLM(dtype=dtype, max_model_len=512)
+            try:
+                for (op, _), names in kernels._CHOSEN.items():
+                    chosen.setdefault(op, set()).update(names)
+                out = llm.chat(%s, SamplingParams(temperature=0, max_tokens=32))
+                answers[dtype] = out[0].outputs[0].text
+            finally:
+                llm.shutdown()
+        results[forced] = {"answers": answers, "chosen": {op: sorted(names) for op, names in chosen.items()},
+                           "candidates": {op: sorted(kernels.operations()[op].candidates) for op in chosen}}
+    except Exception:
+        results[forced] = {"error": traceback.format_exc()}
+print(json.dumps(results))
 """
+PATHS = [("1", ""), ("1", "gguf.linear=fw"), ("1", "torch"), ("0", "")]
+
+
+@pytest.fixture(scope="module")
+def readme_answers():
+    """readme_answers(native, kernels): what the README's question got with FW_NATIVE=native, FW_KERNELS=kernels;
+    the first call for a FW_NATIVE value runs that value's process, which asks under all of its FW_KERNELS."""
+    runs = {}
+
+    def get(native: str, kernels: str) -> dict:
+        forced = [k for n, k in PATHS if n == native]
+        if native not in runs:
+            runs[native] = subprocess.run(
+                [sys.executable, "-c", _README_CHAT % repr(QUESTION), json.dumps(forced)],
+                capture_output=True, text=True, env={**os.environ, "FW_NATIVE": native}, timeout=600)
+        done = runs[native]
+        assert done.returncode == 0, f"FW_NATIVE={native}, FW_KERNELS in {forced}: {done.stderr[-3000:]}"
+        return json.loads(done.stdout.strip().splitlines()[-1])[kernels]
+
+    return get
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("native_kernels", "kernels"), [("1", ""), ("1", "gguf.linear=fw"), ("1", "torch"),
-                                                         ("0", "")])
-def test_readme_question_answers_paris_on_every_path(native_kernels, kernels):
+@pytest.mark.parametrize(("native_kernels", "kernels"), PATHS)
+def test_readme_question_answers_paris_on_every_path(native_kernels, kernels, readme_answers):
     """The README's question on the embedded default model: its default dtype (float32 activations, as llama.cpp)
     and float32, with native kernels on and off and each product's kernel forced. bf16 activations are not
     asserted: there the first token is a 0.02-nat near-tie between "The" and "L'" that the order of a kernel's
     float32 sums decides (the GGUF plugin's ``_torch_dtype``)."""
-    env = {**os.environ, "FW_NATIVE": native_kernels, "FW_KERNELS": kernels}
-    done = subprocess.run([sys.executable, "-c", _README_CHAT % repr(QUESTION)], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    answers = json.loads(done.stdout.strip().splitlines()[-1])
-    assert all("Paris" in text for text in answers.values()), answers
+    path = f"FW_NATIVE={native_kernels} FW_KERNELS={kernels!r}"
+    result = readme_answers(native_kernels, kernels)
+    assert "error" not in result, f"{path}: {result.get('error', '')[-3000:]}"
+    answers, chosen = result["answers"], result["chosen"]
+    assert set(answers) == {"auto", "float32"}, (path, answers)
+    assert all("Paris" in text for text in answers.values()), (path, answers)
+    # The forcing took effect: ``op=name`` in that operation, a bare name in every operation that has it.
+    if kernels:
+        op, _, name = kernels.rpartition("=")
+        forced = [op] if op else [o for o, names in result["candidates"].items() if name in names]
+        assert forced and all(chosen.get(o) == [name] for o in forced), (path, chosen)

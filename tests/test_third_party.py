@@ -46,17 +46,46 @@ def test_examples_are_not_installed_here_and_the_core_never_names_them():
         assert project["name"].replace("-", "_") not in core_text
 
 
+@pytest.fixture(scope="module")
+def example_runs(tmp_path_factory):
+    """example_runs(example) -> (return code, stdout, stderr) of AUTHORING.md's commands for ``example``, each run
+    in a fresh virtualenv of its own. The first call starts the runs of every example at once (they share nothing
+    but the parent environment, which they only read); each test then waits for its own."""
+    started = {}
+
+    def start(example: Path) -> None:
+        root = tmp_path_factory.mktemp(example.name)
+        env = {
+            **os.environ,
+            **fresh_venv(root / "venv"),
+            "PLUGIN": str(example),
+            # Build with the hatchling beneath and download nothing: fw-core, the one dependency, is installed.
+            "PIP_NO_BUILD_ISOLATION": "0",
+            "PIP_NO_INDEX": "1",
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        }
+        # Output to files, not pipes: a pipe nobody reads yet would stall its run once full.
+        with open(root / "stdout", "w") as out, open(root / "stderr", "w") as err:
+            proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", authoring_commands()], env=env, cwd=root,
+                                    stdout=out, stderr=err)
+        started[example] = (proc, root)
+
+    def result(example: Path) -> tuple[int, str, str]:
+        if not started:
+            for each in EXAMPLES:
+                start(each)
+        proc, root = started[example]
+        proc.wait(timeout=900)
+        return proc.returncode, (root / "stdout").read_text(), (root / "stderr").read_text()
+
+    yield result
+    for proc, _ in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
-def test_example_builds_and_passes_its_tests_in_a_fresh_venv(example, tmp_path):
-    env = {
-        **os.environ,
-        **fresh_venv(tmp_path / "venv"),
-        "PLUGIN": str(example),
-        # Build with the hatchling beneath and download nothing: fw-core, the one dependency, is installed.
-        "PIP_NO_BUILD_ISOLATION": "0",
-        "PIP_NO_INDEX": "1",
-        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
-    }
-    run = subprocess.run(["bash", "-euo", "pipefail", "-c", authoring_commands()], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+def test_example_builds_and_passes_its_tests_in_a_fresh_venv(example, example_runs):
+    returncode, stdout, stderr = example_runs(example)
+    assert returncode == 0, stdout[-4000:] + stderr[-4000:]
