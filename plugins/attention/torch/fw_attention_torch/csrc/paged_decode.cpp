@@ -82,19 +82,14 @@ inline bool bf16_scores(const T*, const T*, Slot, int64_t, int64_t, int64_t, int
   return false;
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__) && defined(__FMA__)
 template <>
 inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
   const fw::bf16* raw = reinterpret_cast<const fw::bf16*>(src);
   int64_t i = 0;
+#if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, fw::load_bf16x16(raw + i));
-  for (; i < n; ++i) dst[i] = fw::f32(raw[i]);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-template <>
-inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
-  const fw::bf16* raw = reinterpret_cast<const fw::bf16*>(src);
-  int64_t i = 0;
+#endif
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, fw::load_bf16x8(raw + i));
   for (; i < n; ++i) dst[i] = fw::f32(raw[i]);
 }
