@@ -33,6 +33,22 @@ inline float rnd(float f) {
 template <typename T>
 constexpr bool kBf16 = std::is_same_v<T, bf16>;
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight lanes of either dtype as float32; round8 rounds an intermediate as rnd<T> does.
+template <typename T>
+inline __m256 load8(const T* p) {
+  if constexpr (kBf16<T>) return fw::load_bf16x8(p); else return _mm256_loadu_ps(p);
+}
+template <typename T>
+inline __m256 round8(__m256 v) {
+  if constexpr (kBf16<T>) return fw::round_bf16x8(v); else return v;
+}
+template <typename T>
+inline void store8(T* p, __m256 v) {  // v already rounded
+  if constexpr (kBf16<T>) fw::store_bf16x8(p, v); else _mm256_storeu_ps(p, v);
+}
+#endif
+
 // Every tensor of one call has the dtype of the first (x): bf16 or float32, on the CPU.
 void check(const at::Tensor& t, const at::Tensor& x, const char* what) {
   TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && t.device().is_cpu() &&
@@ -71,6 +87,13 @@ void norm_rows(const T* x, const T* res, const T* w, T* out, T* new_res, int64_t
         sum = _mm512_reduce_add_ps(acc);
         }
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+        // The sum of squares stays in order: summed in lanes, it moved the bf16 norms, and tokens with them, off the
+        // torch path's.
+        const int64_t from = i;
+        for (; i + 8 <= hidden; i += 8) store8(nr + i, round8<T>(_mm256_add_ps(load8(xr + i), load8(rr + i))));
+        for (int64_t j = from; j < i; ++j) sum += ld(nr[j]) * ld(nr[j]);
+#endif
         for (; i < hidden; ++i) {
           const float v = rnd<T>(ld(xr[i]) + ld(rr[i]));
           st(nr + i, v);
@@ -98,6 +121,12 @@ void norm_rows(const T* x, const T* res, const T* w, T* out, T* new_res, int64_t
         const __m512 y = fw::round_bf16x16(_mm512_mul_ps(fw::load_bf16x16(xr + i), _mm512_set1_ps(inv)));
         fw::store_bf16x16(o + i, fw::round_bf16x16(_mm512_mul_ps(fw::load_bf16x16(w + i), y)));
       }
+      }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+      for (; i + 8 <= hidden; i += 8) {
+        const __m256 y = round8<T>(_mm256_mul_ps(load8(xr + i), _mm256_set1_ps(inv)));
+        store8(o + i, round8<T>(_mm256_mul_ps(load8(w + i), y)));
       }
 #endif
       for (; i < hidden; ++i) st(o + i, ld(w[i]) * rnd<T>(ld(xr[i]) * inv));
@@ -162,6 +191,15 @@ void rotate(at::Tensor& x, const T* cos, const T* sin) {
                                                                           fw::round_bf16x16(_mm512_mul_ps(x1, si)))));
         }
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; i + 8 <= half; i += 8) {
+          const __m256 x1 = load8(v + i), x2 = load8(v + i + half), ci = load8(c + i), si = load8(s + i);
+          const __m256 nx2 = _mm256_sub_ps(_mm256_setzero_ps(), x2);
+          store8(v + i, round8<T>(_mm256_add_ps(round8<T>(_mm256_mul_ps(x1, ci)), round8<T>(_mm256_mul_ps(nx2, si)))));
+          store8(v + i + half,
+                 round8<T>(_mm256_add_ps(round8<T>(_mm256_mul_ps(x2, ci)), round8<T>(_mm256_mul_ps(x1, si)))));
+        }
+#endif
         for (; i < half; ++i) {
           const float x1 = ld(v[i]), x2 = ld(v[i + half]), ci = ld(c[i]), si = ld(s[i]);
           st(v + i, rnd<T>(x1 * ci) + rnd<T>(-x2 * si));
@@ -207,18 +245,11 @@ void silu_rows(const T* in, T* o, int64_t rows, int64_t d) {
       }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-      const auto load8 = [](const T* p) {
-        if constexpr (kBf16<T>) return fw::load_bf16x8(p); else return _mm256_loadu_ps(p);
-      };
-      const auto round8 = [](__m256 v) {
-        if constexpr (kBf16<T>) return fw::round_bf16x8(v); else return v;
-      };
       for (; i + 8 <= d; i += 8) {
         const __m256 gi = load8(g + i);
-        const __m256 silu = round8(_mm256_div_ps(
+        const __m256 silu = round8<T>(_mm256_div_ps(
             gi, _mm256_add_ps(_mm256_set1_ps(1.f), fw::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gi)))));
-        const __m256 out = round8(_mm256_mul_ps(silu, load8(u + i)));
-        if constexpr (kBf16<T>) fw::store_bf16x8(orow + i, out); else _mm256_storeu_ps(orow + i, out);
+        store8(orow + i, round8<T>(_mm256_mul_ps(silu, load8(u + i))));
       }
 #endif
       for (; i < d; ++i) {

@@ -61,13 +61,54 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-inline void axpy(float* a, float p, const float* b, int64_t n) {
+// Keys and values go kChunk positions at a time: one query's scores for all of them with one horizontal sum, and
+// the weighted values summed in registers (an accumulator in memory, read back per position, stalled on its store).
+constexpr int kChunk = 8;
+
+// s[j] = q . rows[j] over n floats, for j < count <= kChunk.
+inline void dots(const float* q, const float* const* rows, int64_t count, int64_t n, float* s) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (count == kChunk && n % 8 == 0) {
+    __m256 acc[kChunk];
+    for (int j = 0; j < kChunk; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      for (int j = 0; j < kChunk; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[j] + i), acc[j]);
+    }
+    // Pairwise sums across the eight accumulators: lane j of the result is acc[j]'s total.
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    _mm256_storeu_ps(s, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < count; ++j) s[j] = dot(q, rows[j], n);
+}
+
+// acc[0, n) += sum over j < count of p[j] rows[j].
+inline void axpys(float* acc, const float* p, const float* const* rows, int64_t count, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-  const __m256 pv = _mm256_set1_ps(p);
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(a + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(b + i), _mm256_loadu_ps(a + i)));
+  for (; i + 32 <= n; i += 32) {
+    __m256 a[4];
+    for (int k = 0; k < 4; ++k) a[k] = _mm256_loadu_ps(acc + i + 8 * k);
+    for (int64_t j = 0; j < count; ++j) {
+      const __m256 pv = _mm256_set1_ps(p[j]);
+      for (int k = 0; k < 4; ++k) a[k] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(rows[j] + i + 8 * k), a[k]);
+    }
+    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(acc + i + 8 * k, a[k]);
+  }
+  for (; i + 8 <= n; i += 8) {
+    __m256 a = _mm256_loadu_ps(acc + i);
+    for (int64_t j = 0; j < count; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(rows[j] + i), a);
+    _mm256_storeu_ps(acc + i, a);
+  }
 #endif
-  for (; i < n; ++i) a[i] += p * b[i];
+  for (; i < n; ++i) {
+    float a = acc[i];
+    for (int64_t j = 0; j < count; ++j) a += p[j] * rows[j][i];
+    acc[i] = a;
+  }
 }
 
 template <typename T>
@@ -235,12 +276,23 @@ void decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
   };
 
   at::parallel_for(0, num_reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * head_size), acc(group * head_size), row(head_size), scores;
+    std::vector<float> query(group * head_size), acc(group * head_size), rows(kChunk * head_size), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, g = task % kv_heads;
       const int64_t len = lens[r], first = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - first;
       const T* qr = qp + (r * num_heads + g * group) * head_size;
       scores.resize(group * n);
+      // fn(first position, float32 rows, count) for head g's rows of `cache` at positions [first, len), kChunk
+      // at a time.
+      auto for_each_chunk = [&](const auto& format, const Elem* cache, const auto& fn) {
+        const float* chunk[kChunk];
+        int64_t count = 0, start = first;
+        for_each_slot(r, first, len, [&](int64_t, int64_t at) {
+          chunk[count] = format.load(cache + (at * kv_heads + g) * row_len, rows.data() + count * head_size, head_size);
+          if (++count == kChunk) fn(start, chunk, count), start += count, count = 0;
+        });
+        if (count > 0) fn(start, chunk, count);
+      };
       auto slot = [&](int64_t t) { return (int64_t)tables[r * max_blocks + t / block_size] * block_size + t % block_size; };
 
       bool scored = false;
@@ -249,9 +301,9 @@ void decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
       }
       if (!scored) {
         for (int64_t i = 0; i < group * head_size; ++i) query[i] = static_cast<float>(qr[i]) * static_cast<float>(scale);
-        for_each_slot(r, first, len, [&](int64_t t, int64_t at) {
-          const float* k = keys.load(kp + (at * kv_heads + g) * row_len, row.data(), head_size);
-          for (int64_t h = 0; h < group; ++h) scores[h * n + t - first] = dot(query.data() + h * head_size, k, head_size);
+        for_each_chunk(keys, kp, [&](int64_t t, const float* const* k, int64_t count) {
+          for (int64_t h = 0; h < group; ++h)
+            dots(query.data() + h * head_size, k, count, head_size, scores.data() + h * n + t - first);
         });
       }
       for (int64_t h = 0; h < group; ++h) {
@@ -266,9 +318,9 @@ void decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
         for (int64_t t = 0; t < n; ++t) s[t] *= inverse;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_slot(r, first, len, [&](int64_t t, int64_t at) {
-        const float* v = values.load(vp + (at * kv_heads + g) * row_len, row.data(), head_size);
-        for (int64_t h = 0; h < group; ++h) axpy(acc.data() + h * head_size, scores[h * n + t - first], v, head_size);
+      for_each_chunk(values, vp, [&](int64_t t, const float* const* v, int64_t count) {
+        for (int64_t h = 0; h < group; ++h)
+          axpys(acc.data() + h * head_size, scores.data() + h * n + t - first, v, count, head_size);
       });
       T* o = op + (r * num_heads + g * group) * head_size;
       for (int64_t i = 0; i < group * head_size; ++i) o[i] = static_cast<T>(acc[i]);
