@@ -135,9 +135,12 @@ inline void tile(const float* x, const bf16* w, int64_t K, const float* bias, Ou
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NR; ++j) acc[m][j] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
+  // The next tile's rows (the thread's rows are contiguous), fetched as these are read: at K = 896 a row is only
+  // 28 cache lines, too short a stream for the hardware prefetcher. Non-temporal, so that streaming the weights
+  // evicts less of what the rest of the step (Python, small kernels) keeps in cache.
   const char* ahead = reinterpret_cast<const char*>(w + NR * K);
   for (int64_t k = 0; k < vk; k += kBlock) {
-    for (int b = 0; b < NR * kBlock * 2; b += 64) _mm_prefetch(ahead + k * NR * 2 + b, _MM_HINT_T0);
+    for (int b = 0; b < NR * kBlock * 2; b += 64) _mm_prefetch(ahead + k * NR * 2 + b, _MM_HINT_NTA);
     for (int j = 0; j < NR; ++j) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * K + k));
       const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
