@@ -79,7 +79,8 @@ def test_the_fastest_candidate_per_row_class_runs_and_is_cached(cache, monkeypat
     stored = json.loads(cache.read_text())
     (entry,) = stored["machines"].values()
     assert entry["machine"]["cpu"] == kernels.machine()["cpu"]
-    assert entry["choices"][fake.op.name] == {"('k',)": {"names": ["a", "b"], "among": ["a", "b"]}}
+    assert entry["choices"][fake.op.name] == {
+        "('k',)": {"names": ["a", "b"], "among": ["a", "b"], "builds": native.builds()}}
 
 
 def test_selection_is_deterministic_given_a_cache_file(cache, monkeypatch):
@@ -150,6 +151,22 @@ def test_a_choice_made_among_fewer_candidates_is_measured_again_once_more_can_ru
     kernels._CACHE._data = None
     fake.runs = dict.fromkeys(fake.runs, 0)
     assert fake.select().names == ("native", "native") and fake.runs == {"slow": 0, "native": 0}  # cached
+
+
+def test_a_choice_timed_on_another_version_of_a_native_library_is_measured_again(cache, monkeypatch):
+    fake = _Fake(monkeypatch, {"a": {1: 1.0, 32: 1.0}, "b": {1: 2.0, 32: 2.0}})
+    monkeypatch.setattr(native, "_builds", {"fw_fake": "digest-1", "fw_other": "x"})
+    assert fake.select().names == ("a", "a")
+    fake.times.update(a={1: 9.0, 32: 9.0})  # the new version of the kernels makes "b" the faster
+    kernels._CACHE._data = None
+    monkeypatch.setattr(native, "_builds", {"fw_fake": "digest-1"})  # fw_other not loaded yet: no evidence
+    assert fake.select().names == ("a", "a")
+    kernels._CACHE._data = None
+    monkeypatch.setattr(native, "_builds", {"fw_fake": "digest-2", "fw_new": "y"})
+    assert fake.select().names == ("b", "b")
+    kernels._CACHE._data = None
+    fake.runs = dict.fromkeys(fake.runs, 0)
+    assert fake.select().names == ("b", "b") and fake.runs == {"a": 0, "b": 0}  # the new choice is cached
 
 
 def test_fw_kernels_forces_a_choice(cache, monkeypatch):

@@ -11,7 +11,9 @@ keeps the fastest for each. The choice is cached on disk, keyed by CPU model,
 CPU flags, thread count and library versions, so later starts time nothing.
 A choice remembers which candidates it was made among: one made while fewer
 could run (``FW_NATIVE=0``, a native build that failed) is timed again once
-more can.
+more can. It also remembers the native libraries loaded then (``fw.native``,
+by the digest of their sources): one timed on an older version of a kernel
+is timed again.
 
 - ``FW_KERNELS=NAME`` forces candidate NAME in every operation that has one;
   ``FW_KERNELS=dense.linear=torch,gguf.linear=fw`` forces per operation.
@@ -43,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from fw import native
 
 logger = logging.getLogger(__name__)
 
@@ -337,18 +341,22 @@ class _Cache:
         return {"version": CACHE_VERSION, "machines": {}}
 
     def lookup(self, op: str, key: tuple, usable: dict[str, Any]) -> tuple[str, ...] | None:
-        """The cached choice, if it was made among exactly the candidates that can run now."""
+        """The cached choice, if it was made among exactly the candidates that can run now, and no native library
+        loaded both then and now has changed since (a kernel edited within one fw version is timed again)."""
         with self._lock:
             choice = self._machine_entry()["choices"].get(op, {}).get(repr(key))
         if not isinstance(choice, dict) or choice.get("among") != sorted(usable):
+            return None
+        then, now = choice.get("builds", {}), native.builds()
+        if not isinstance(then, dict) or any(now.get(lib, digest) != digest for lib, digest in then.items()):
             return None
         names = choice.get("names")
         return tuple(names) if isinstance(names, list) and all(isinstance(n, str) for n in names) else None
 
     def store(self, op: str, key: tuple, names: tuple[str, ...], usable: dict[str, Any]) -> None:
         with self._lock:
-            self._machine_entry()["choices"].setdefault(op, {})[repr(key)] = {"names": list(names),
-                                                                               "among": sorted(usable)}
+            self._machine_entry()["choices"].setdefault(op, {})[repr(key)] = {
+                "names": list(names), "among": sorted(usable), "builds": native.builds()}
             path = self.path
             try:  # atomically: another process (a tensor-parallel rank) may read it meanwhile
                 path.parent.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,13 @@ INCLUDE = Path(__file__).parent / "csrc"
 
 
 _build_seconds = 0.0
+_builds: dict[str, str] = {}  # library name -> digest of the version loaded
+
+
+def builds() -> dict[str, str]:
+    """The native libraries this process loaded, each with the digest of its sources (``build_directory``): what
+    a kernel choice was timed on."""
+    return dict(_builds)
 
 
 def build_seconds() -> float:
@@ -83,4 +90,5 @@ def load(name: str, source: Path) -> bool:
         return False
     finally:
         _build_seconds += time.perf_counter() - start
+    _builds[name] = folder.name.rpartition("-")[2]
     return True
