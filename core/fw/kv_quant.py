@@ -57,16 +57,22 @@ def write(part: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float
     part.view(-1, *part.shape[-2:])[slots] = x
 
 
-def write_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             layer: AttentionLayerSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Store a step's K and V at ``slots`` of a layer's standard-layout cache, with the layer's scales; returns
-    the cache's K and V parts (the kernels read the new tokens from there)."""
+def store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             layer: AttentionLayerSpec) -> None:
+    """Store a step's K and V at ``slots`` of a layer's standard-layout cache, with the layer's scales."""
     if (cache.dtype == k.dtype and cache.dim() == 5 and k.stride(-1) == v.stride(-1) == 1 and native_ops.usable(k)
             and cache.is_contiguous()):
         torch.ops.fw_layers.store_kv(cache, slots, k, v)  # the model dtype: one native copy for both
     else:
         write(cache[0], slots, k, layer.k_scale)
         write(cache[1], slots, v, layer.v_scale)
+
+
+def write_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             layer: AttentionLayerSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``store_kv``, returning the cache's K and V parts (the kernels read the new tokens from there). A decode
+    step's two views cost more than its native store: a backend that does not read them calls ``store_kv``."""
+    store_kv(cache, slots, k, v, layer)
     return cache[0], cache[1]
 
 

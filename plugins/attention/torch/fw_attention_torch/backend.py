@@ -173,9 +173,8 @@ def _prefill(layer: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor,
 def _native_decode(layer: AttentionLayerSpec, q: torch.Tensor, kv_cache: torch.Tensor,
                    decodes: _Decodes) -> torch.Tensor:
     return torch.ops.fw_attention_torch.paged_decode(
-        q.view(len(q), layer.num_heads, layer.head_size), kv_cache[0], kv_cache[1], decodes.block_tables,
-        decodes.seq_lens, layer.scale, layer.sliding_window or 0, layer.logits_soft_cap or 0.0, layer.k_scale,
-        layer.v_scale,
+        q.view(len(q), layer.num_heads, layer.head_size), kv_cache, decodes.block_tables, decodes.seq_lens,
+        layer.scale, layer.sliding_window or 0, layer.logits_soft_cap or 0.0, layer.k_scale, layer.v_scale,
     )
 
 
@@ -275,7 +274,7 @@ class TorchAttention(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: TorchAttentionMetadata,
     ) -> torch.Tensor:
-        kv_quant.write_kv(kv_cache, metadata.batch.slot_mapping, k, v, layer)
+        kv_quant.store_kv(kv_cache, metadata.batch.slot_mapping, k, v, layer)
         chosen = self._kernels(layer, q.dtype, kv_cache)
         decodes = metadata.decodes
         if decodes is not None and not metadata.prefills:  # a decode-only step: every row is a decode, in order

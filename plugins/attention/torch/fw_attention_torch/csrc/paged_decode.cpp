@@ -328,13 +328,16 @@ void decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
   });
 }
 
-// q [reqs, heads, head_size]; key_cache/value_cache [blocks, block_size, kv_heads, row]: row is head_size values
+// q [reqs, heads, head_size]; kv_cache [2, blocks, block_size, kv_heads, row], keys then values (split here: two
+// views made in Python cost more than the kernel at short contexts): row is head_size values
 // of q's dtype or float8_e4m3fn, or head_size int8 values and their float32 scale; block_tables [reqs, max_blocks]
 // int32; seq_lens [reqs] int32 (the query is the last position); window: attend to the last `window` keys, 0 for
 // all; soft_cap: the logit soft cap, 0 for none; k_scale/v_scale: an fp8 cache's per-layer scales.
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
-                        double soft_cap, double k_scale, double v_scale) {
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, double scale, int64_t window, double soft_cap, double k_scale,
+                        double v_scale) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, block_size, kv_heads, row]");
+  const auto key_cache = kv_cache.select(0, 0), value_cache = kv_cache.select(0, 1);
   const auto cache_type = key_cache.scalar_type();
   const int64_t row_len = q.size(2) + (cache_type == at::kChar ? int64_t(sizeof(float)) : 0);
   TORCH_CHECK(q.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(), "bad shapes");
@@ -365,7 +368,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& key_cache, const 
 }  // namespace
 
 TORCH_LIBRARY(fw_attention_torch, m) {
-  m.def("paged_decode(Tensor q, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
+  m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale, int window, float soft_cap, float k_scale, float v_scale) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
 }
