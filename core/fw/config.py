@@ -72,7 +72,9 @@ class ModelSection(_Section):
         "generation_config.json, vllm ignores it, a folder path reads that folder's file.",
     )
     enforce_eager: bool = Field(
-        False, description="Accepted for vLLM compatibility and changes nothing: fw captures no graphs, it always runs eagerly."
+        False,
+        description="Run every step eagerly: on the CPU, fw otherwise records a decode step of up to 8 requests once "
+        "per batch size and replays it without Python (fw.decode_graph).",
     )
 
     @field_validator("generation_config")

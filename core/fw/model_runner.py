@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from typing import Any
 
 import torch
 
 from fw import distributed, model_registry
 from fw.config import FwConfig
+from fw.decode_graph import DecodeGraphs
 from fw.forward_context import set_forward_context
 from fw.interfaces.attention import AttentionBatch
 from fw.interfaces.comm import Pending
@@ -75,6 +77,10 @@ class ModelRunner:
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
         self.kv_report = KVTransferReport()  # the connector's report of the latest step
+        single = distributed.get_tp_group().world_size == distributed.get_pp_group().world_size == 1
+        graphs = (device == "cpu" and single and self.kv_connector is None and not config.model.enforce_eager
+                  and getattr(self.model, "decode_graphs", False))
+        self.graphs = DecodeGraphs(self) if graphs else None
 
     def _num_blocks(self) -> int:
         cache = self.config.cache
@@ -107,27 +113,36 @@ class ModelRunner:
             return torch.empty(0, self.hf_config.vocab_size, dtype=torch.float32, device=self.device)
         # Under pipeline parallelism the step runs as micro-batches: a stage sends one on (without waiting) and
         # starts the next while the following stage works on it.
+        parts = [self._step_tensors(inputs, part)
+                 for part in micro_batches(inputs.num_new, distributed.get_pp_group().world_size)]
+        if self.graphs is not None and inputs.logit_positions == list(range(len(inputs.num_new))):
+            logits = self.graphs.logits(*parts[0])  # the only part: graphs run without pipeline parallelism
+            if logits is not None:
+                return logits
         sends: list[Pending] = []
-        parts = micro_batches(inputs.num_new, distributed.get_pp_group().world_size)
-        hidden = [self._forward(inputs, part, sends) for part in parts]
+        hidden = [self._forward(*part, inputs.kv_connector_meta, sends) for part in parts]
         for send in sends:
             send.wait()
         if connector is not None:
             self._finish_kv_transfers()
         return self._logits(hidden, inputs.logit_positions)
 
-    def _forward(self, inputs: StepInputs, part: slice, sends: list[Pending]) -> torch.Tensor:
-        """The model on the requests ``part`` of the step, a batch of their own; adds the sends it left in flight
-        to ``sends``."""
+    def _step_tensors(self, inputs: StepInputs, part: slice) -> tuple[AttentionBatch, torch.Tensor, torch.Tensor]:
+        """The attention batch, token ids and positions of the requests ``part`` of the step, a batch of their
+        own."""
         num_computed, num_new = inputs.num_computed[part], inputs.num_new[part]
         batch = AttentionBatch.build(inputs.block_tables[part], num_computed, num_new, self.block_size, self.device)
         positions = torch.cat([torch.arange(c, c + n) for c, n in zip(num_computed, num_new, strict=True)])
         first = sum(inputs.num_new[: part.start])
         token_ids = inputs.token_ids[first : first + sum(num_new)]
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return batch, torch.tensor(token_ids, dtype=torch.long, device=self.device), positions.to(self.device)
+
+    def _forward(self, batch: AttentionBatch, input_ids: torch.Tensor, positions: torch.Tensor, connector_meta: Any,
+                 sends: list[Pending]) -> torch.Tensor:
+        """The model on one micro-batch of the step; adds the sends it left in flight to ``sends``."""
         metadata = self.attention.prepare(batch)
-        with set_forward_context(metadata, self.layer_caches, self.kv_connector, inputs.kv_connector_meta) as ctx:
-            hidden = self.model(input_ids, positions.to(self.device))
+        with set_forward_context(metadata, self.layer_caches, self.kv_connector, connector_meta) as ctx:
+            hidden = self.model(input_ids, positions)
         sends.extend(ctx.sends)
         return hidden
 

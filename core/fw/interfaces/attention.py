@@ -231,6 +231,12 @@ class AttentionBackend(ABC):
         """Once per step, before any layer runs: build backend metadata."""
         return batch
 
+    def supports_decode_graphs(self) -> bool:
+        """Whether ``prepare`` and ``forward`` of a decode-only batch, after its first step, depend on the batch's
+        tensors alone and not on its host-side values (``seq_lens_cpu``, ``max_seq_len``): then the runner may
+        record such a step once and replay it on new tensors (``fw.decode_graph``)."""
+        return False
+
     @abstractmethod
     def forward(
         self,

@@ -197,6 +197,8 @@ class DeepseekMoE(nn.Module):
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    decode_graphs = False  # routing reads each expert's token count into Python
+
     v3 = False
 
     def make_rotary(self, config: HFConfig) -> RotaryEmbedding:

@@ -193,6 +193,7 @@ class LlamaForCausalLM(nn.Module):
     """LlamaForCausalLM and MistralForCausalLM (whose ``sliding_window`` applies to every layer)."""
 
     qk_norm = False
+    decode_graphs = True  # a decode step is the same ops on tensors every time (fw.decode_graph)
 
     def attention_bias(self, config: HFConfig) -> tuple[bool, bool]:
         """(q/k/v bias, o bias)."""

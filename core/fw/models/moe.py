@@ -81,6 +81,8 @@ class SparseMoeBlock(nn.Module):
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
+    decode_graphs = False  # routing reads each expert's token count into Python
+
     def make_mlp(self, config: HFConfig, ctx: ModelContext, layer_idx: int, prefix: str) -> nn.Module:
         # Mixtral's checkpoint calls the block "block_sparse_moe" and its experts' matrices w1 (gate), w3, w2;
         # checkpoints written through transformers 5's modules (GPTQModel's) say mlp.experts.N.gate_proj etc.
@@ -130,6 +132,8 @@ def qwen_moe_mlp(
 
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
+    decode_graphs = False  # routing reads each expert's token count into Python
+
     def attention_bias(self, config: HFConfig) -> tuple[bool, bool]:
         return config.get("qkv_bias", True), False
 
@@ -144,6 +148,8 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    decode_graphs = False  # routing reads each expert's token count into Python
+
     def sliding_window(self, config: HFConfig, layer_idx: int) -> int | None:
         return config.get("sliding_window") if config.get("use_sliding_window", False) else None
 

@@ -238,6 +238,10 @@ class TorchAttention(AttentionBackend):
         """Whether the native decode kernel (candidate ``fw`` of ``attention.decode``) runs on ``device``."""
         return _has_native(device.type)
 
+    def supports_decode_graphs(self) -> bool:
+        # The native kernel reads the lengths from the tensors; the gathering one sizes its work by max_len.
+        return bool(self._chosen) and all(k is not None and set(k.decode.names) == {"fw"} for k in self._chosen)
+
     def prepare(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         block_size = batch.block_size
         device = batch.block_tables.device

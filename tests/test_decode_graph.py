@@ -1,0 +1,108 @@
+"""Captured decode steps (``fw.decode_graph``): replays give the eager engine's tokens, and every guard that should
+keep a step eager does."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import test_gguf as gguf_tests
+from gguf import GGMLQuantizationType as Q
+
+from fw import LLM, SamplingParams
+from fw.layers.layernorm import RMSNorm
+from fw.testing.models import make_tiny_model
+
+# Different lengths, so a step's requests cross block boundaries (16 tokens) at different steps.
+PROMPTS = ["The quick brown fox jumps over", "Hello", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15"]
+
+
+@pytest.fixture(scope="module")
+def bf16_llama(tmp_path_factory):
+    return make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("graphs") / "llama", dtype="bfloat16")
+
+
+def _run(path, **kwargs):
+    """Greedy tokens of PROMPTS together (3-request steps) and of the first alone (1-request steps), and the
+    engine's decode graphs."""
+    llm = LLM(str(path), **{"num_kv_blocks": 64, "max_model_len": 128, **kwargs})
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    alone = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids
+    graphs = llm.llm_engine.executor.runner.graphs
+    llm.shutdown()
+    return together + [alone], graphs
+
+
+def _eager(path, **kwargs):
+    tokens, graphs = _run(path, enforce_eager=True, **kwargs)
+    assert graphs is None
+    return tokens
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_replayed_steps_give_the_eager_tokens(bf16_llama, dtype):
+    tokens, graphs = _run(bf16_llama, dtype=dtype)
+    assert graphs.replayed == {1: 39 - 3, 3: 39 - 3}  # every decode step but the warm-up, capture and check
+    assert tokens == _eager(bf16_llama, dtype=dtype)
+
+
+def test_replayed_steps_of_a_quantized_model_give_the_eager_tokens(bf16_llama, tmp_path):
+    path = gguf_tests.write_gguf(bf16_llama, tmp_path / "tiny.gguf", Q.Q4_1)
+    tokens, graphs = _run(path)
+    assert graphs.replayed[1] > 0 and graphs.replayed[3] > 0
+    assert tokens == _eager(path)
+
+
+def test_a_step_that_reads_a_tensor_into_python_stays_eager(bf16_llama, monkeypatch, caplog):
+    forward = RMSNorm.forward
+
+    def reads_a_value(self, x, residual=None):
+        if x.sum().item() == float("inf"):  # never, but the trace cannot know
+            raise AssertionError
+        return forward(self, x, residual)
+
+    monkeypatch.setattr(RMSNorm, "forward", reads_a_value)
+    with caplog.at_level(logging.WARNING, logger="fw.decode_graph"):
+        tokens, graphs = _run(bf16_llama)
+    assert graphs.replayed == {}
+    assert "decode steps run eagerly: the step reads a tensor into Python" in caplog.text
+    assert tokens == _eager(bf16_llama)
+
+
+def test_a_replay_that_differs_from_the_eager_step_is_dropped(bf16_llama, monkeypatch, caplog):
+    from fw.models.llama import LlamaForCausalLM
+
+    compute_logits, calls = LlamaForCausalLM.compute_logits, []
+
+    def counts_in_python(self, hidden):  # a host-side value that changes every step: the trace keeps one
+        calls.append(None)
+        return compute_logits(self, hidden) + len(calls) * 1e-3
+
+    monkeypatch.setattr(LlamaForCausalLM, "compute_logits", counts_in_python)
+    with caplog.at_level(logging.WARNING, logger="fw.decode_graph"):
+        tokens, graphs = _run(bf16_llama)
+    assert graphs.replayed == {}
+    assert "decode steps run eagerly: the replay of a 3-request step differs from the eager step" in caplog.text
+    assert tokens == _eager(bf16_llama)
+
+
+def test_a_backend_that_does_not_declare_graph_support_stays_eager(bf16_llama, monkeypatch):
+    monkeypatch.setenv("FW_KERNELS", "attention.decode=torch")  # the gathering kernel sizes its work on the host
+    tokens, graphs = _run(bf16_llama)
+    assert graphs.replayed == {} and graphs.off == "the attention backend TorchAttention does not support them"
+    assert tokens == _eager(bf16_llama)
+
+
+def test_a_step_the_tracer_cannot_record_runs_eagerly(bf16_llama, monkeypatch, caplog):
+    import torch
+
+    def unknown_op(*args, **kwargs):  # as torch 2.13's tracer fails on a float8 dtype view
+        raise RuntimeError("We don't have an op for aten::view but it isn't a special case.")
+
+    monkeypatch.setattr(torch.jit, "trace", unknown_op)
+    with caplog.at_level(logging.WARNING, logger="fw.decode_graph"):
+        tokens, graphs = _run(bf16_llama)
+    assert graphs.replayed == {}
+    assert "decode steps run eagerly: tracing the step failed (RuntimeError: We don't have an op" in caplog.text
+    assert tokens == _eager(bf16_llama)
