@@ -69,9 +69,10 @@ inline void block_vectors(const uint8_t* blk, int64_t qtype, __m512& lo, __m512&
 
 // One output row for M activation rows (M a constant, so the accumulators live in registers). Two sets of
 // accumulators, even and odd blocks, halve the dependency chains through them.
-template <int M>
+template <int64_t T, int M>
 void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
-             int64_t bb, int64_t K, int64_t qtype) {
+             int64_t K) {
+  constexpr int64_t qtype = T, bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
   __m512 acc[2][M];
   float off[2][M];
   for (int s = 0; s < 2; ++s)
@@ -99,33 +100,56 @@ void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, in
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // The integer weights of a block as floats, eight elements per vector (0-7, 8-15, 16-23, 24-31).
-inline void block_vectors(const uint8_t* blk, int64_t qtype, __m256 v[4]) {
-  if (qtype == Q8_0) {
+template <int64_t T>
+inline void block_vectors(const uint8_t* blk, __m256 v[4]) {
+  if constexpr (T == Q8_0) {
     for (int k = 0; k < 4; ++k)
       v[k] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * k))));
-    return;
+  } else {
+    // Each half of the nibble bytes widened to int32 lanes straight from memory: a lane's low nibble is element
+    // j, its high nibble (the byte shifted: nothing to mask) element j + 16. Fewer shuffles than splitting the
+    // bytes first, and Zen 3 has two shuffle pipes for four vector ALUs.
+    const uint8_t* qs = blk + (T == Q4_0 ? 2 : 4);
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
+    v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask));
+    v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+    v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+    v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
   }
-  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (qtype == Q4_0 ? 2 : 4)));
-  const __m128i mask = _mm_set1_epi8(0x0f);
-  const __m128i lo = _mm_and_si128(qs, mask), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-  v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
 
-// As the AVX-512 version, with one set of accumulators: 16 registers hold M <= 8 of them and a block.
-template <int M>
+// A block's scale d and offset (block_offset); Q4_1's adjacent d and m in one conversion.
+template <int64_t T>
+inline void block_scales(const uint8_t* blk, float& d, float& offset) {
+  if constexpr (T == Q4_1) {
+    int32_t dm;
+    std::memcpy(&dm, blk, 4);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+    d = _mm_cvtss_f32(f), offset = _mm_cvtss_f32(_mm_movehdup_ps(f));
+  } else {
+    d = half(blk), offset = block_offset(blk, T, d);
+  }
+}
+
+// As the AVX-512 version; two sets of accumulators (even and odd blocks) only up to 4 rows, where 16 registers
+// hold them and a block.
+template <int64_t T, int M>
 void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
-             int64_t bb, int64_t K, int64_t qtype) {
-  __m256 acc[M];
-  float off[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), off[m] = 0.f;
-  for (int64_t b = 0; b < blocks; ++b) {
+             int64_t K) {
+  constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+  constexpr int S = M <= 4 ? 2 : 1;
+  __m256 acc[S][M];
+  float off[S][M];
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < M; ++m) acc[s][m] = _mm256_setzero_ps(), off[s][m] = 0.f;
+  auto block = [&](int64_t b, __m256* a, float* o) {
     const uint8_t* blk = row + b * bb;
-    const float d = half(blk), offset = block_offset(blk, qtype, d);
+    float d, offset;
+    block_scales<T>(blk, d, offset);
     __m256 v[4];
-    block_vectors(blk, qtype, v);
+    block_vectors<T>(blk, v);
     const __m256 dv = _mm256_set1_ps(d);
     for (int m = 0; m < M; ++m) {
       const float* xb = x + m * K + b * kBlock;
@@ -133,16 +157,24 @@ void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, in
       dot = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), dot);
       dot = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), dot);
       dot = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), dot);
-      acc[m] = _mm256_fmadd_ps(dot, dv, acc[m]);
-      off[m] += offset * xsum[m * blocks + b];
+      a[m] = _mm256_fmadd_ps(dot, dv, a[m]);
+      if constexpr (T != Q8_0) o[m] += offset * xsum[m * blocks + b];
     }
+  };
+  int64_t b = 0;
+  for (; b + S <= blocks; b += S)
+    for (int s = 0; s < S; ++s) block(b + s, acc[s], off[s]);
+  for (; b < blocks; ++b) block(b, acc[0], off[0]);
+  for (int m = 0; m < M; ++m) {
+    if constexpr (S == 2) acc[0][m] = _mm256_add_ps(acc[0][m], acc[1][m]), off[0][m] += off[1][m];
+    y[m * ldy] = fw::sum8(acc[0][m]) + off[0][m];
   }
-  for (int m = 0; m < M; ++m) y[m * ldy] = fw::sum8(acc[m]) + off[m];
 }
 #else
-template <int M>
+template <int64_t T, int M>
 void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
-             int64_t bb, int64_t K, int64_t qtype) {
+             int64_t K) {
+  constexpr int64_t qtype = T, bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
   float acc[M] = {0.f};
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = row + b * bb;
@@ -270,20 +302,30 @@ template <int64_t T, typename A, int M>
 void dot_row_int(const A* xq, const float* dx, const float* xs, const uint8_t* row, float* y, int64_t ldy,
                  int64_t blocks, int64_t K) {
   constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
-  __m256 acc[M];
-  float off[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), off[m] = 0.f;
-  for (int64_t b = 0; b < blocks; ++b) {
+  constexpr int S = M <= 4 ? 2 : 1;  // accumulator sets, as dot_row
+  __m256 acc[S][M];
+  float off[S][M];
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < M; ++m) acc[s][m] = _mm256_setzero_ps(), off[s][m] = 0.f;
+  auto block = [&](int64_t b, __m256* a, float* o) {
     const uint8_t* blk = row + b * bb;
-    const float d = half(blk), offset = block_offset(blk, T, d);
+    float d, offset;
+    block_scales<T>(blk, d, offset);
     const IntBlock<T, A> w(blk);
     for (int m = 0; m < M; ++m) {
       const __m256i dot = w.dot(xq + m * K + b * kBlock);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * dx[m * blocks + b]), acc[m]);
-      if constexpr (T != Q8_0) off[m] += offset * xs[m * blocks + b];
+      a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * dx[m * blocks + b]), a[m]);
+      if constexpr (T != Q8_0) o[m] += offset * xs[m * blocks + b];
     }
+  };
+  int64_t b = 0;
+  for (; b + S <= blocks; b += S)
+    for (int s = 0; s < S; ++s) block(b + s, acc[s], off[s]);
+  for (; b < blocks; ++b) block(b, acc[0], off[0]);
+  for (int m = 0; m < M; ++m) {
+    if constexpr (S == 2) acc[0][m] = _mm256_add_ps(acc[0][m], acc[1][m]), off[0][m] += off[1][m];
+    y[m * ldy] = fw::sum8(acc[0][m]) + off[0][m];
   }
-  for (int m = 0; m < M; ++m) y[m * ldy] = fw::sum8(acc[m]) + off[m];
 }
 #else
 template <int64_t T, typename A, int M>
@@ -342,6 +384,13 @@ void for_each_span(const uint8_t* w, at::IntArrayRef shards, int64_t K, int64_t 
   });
 }
 
+using RowFn = void (*)(const float*, const float*, const uint8_t*, float*, int64_t, int64_t, int64_t);
+
+template <int64_t T, size_t... I>
+constexpr std::array<RowFn, kMaxRows> float_kernels(std::index_sequence<I...>) {  // for 1 .. kMaxRows rows
+  return {dot_row<T, I + 1>...};
+}
+
 // x [M, K] (K a multiple of 32); weight: uint8, holding sub-matrices given as (byte offset, rows,
 // ggml type) triples in `shards`, each rows x K weights in blocks. Returns x.dtype [M, total rows], the
 // sub-matrices' outputs side by side (q | k | v, gate | up): one call per fused layer. Activation rows go
@@ -359,18 +408,17 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
     xsum[b] = s;
   }
   auto y = at::empty({M, total}, xf.options());
-  using RowFn = void (*)(const float*, const float*, const uint8_t*, float*, int64_t, int64_t, int64_t, int64_t,
-                         int64_t);
-  static constexpr RowFn kRows[kMaxRows] = {dot_row<1>, dot_row<2>, dot_row<3>, dot_row<4>,
-                                            dot_row<5>, dot_row<6>, dot_row<7>, dot_row<8>};
+  static constexpr auto kQ4_0 = float_kernels<Q4_0>(std::make_index_sequence<kMaxRows>());
+  static constexpr auto kQ4_1 = float_kernels<Q4_1>(std::make_index_sequence<kMaxRows>());
+  static constexpr auto kQ8_0 = float_kernels<Q8_0>(std::make_index_sequence<kMaxRows>());
   float* yp = y.data_ptr<float>();
   for_each_span(weight.data_ptr<uint8_t>(), shards, K, total,
                 [&](int64_t qtype, const uint8_t* rows, int64_t bytes, int64_t c, int64_t count) {
+                  const auto& fns = qtype == Q4_0 ? kQ4_0 : qtype == Q4_1 ? kQ4_1 : kQ8_0;
                   for (int64_t m = 0; m < M; m += kMaxRows)
                     for (int64_t n = 0; n < count; ++n)
-                      kRows[std::min(kMaxRows, M - m) - 1](xp + m * K, xsum.data() + m * blocks, rows + n * bytes,
-                                                           yp + m * total + c + n, total, blocks, block_bytes(qtype),
-                                                           K, qtype);
+                      fns[std::min(kMaxRows, M - m) - 1](xp + m * K, xsum.data() + m * blocks, rows + n * bytes,
+                                                         yp + m * total + c + n, total, blocks, K);
                 });
   return y.to(x.scalar_type());
 }
