@@ -87,11 +87,20 @@ def test_a_replay_that_differs_from_the_eager_step_is_dropped(bf16_llama, monkey
     assert tokens == _eager(bf16_llama)
 
 
-def test_a_backend_that_does_not_declare_graph_support_stays_eager(bf16_llama, monkeypatch):
-    monkeypatch.setenv("FW_KERNELS", "attention.decode=torch")  # the gathering kernel sizes its work on the host
-    tokens, graphs = _run(bf16_llama)
+@pytest.mark.parametrize("why", ["gathering decode kernel", "int8 cache"])
+def test_a_backend_that_does_not_declare_graph_support_stays_eager(bf16_llama, monkeypatch, why):
+    options = {"kv_cache_dtype": "int8"} if why == "int8 cache" else {}
+    if why == "gathering decode kernel":  # it sizes its work by a host-side length
+        monkeypatch.setenv("FW_KERNELS", "attention.decode=torch")
+    tokens, graphs = _run(bf16_llama, **options)
     assert graphs.replayed == {} and graphs.off == "the attention backend TorchAttention does not support them"
-    assert tokens == _eager(bf16_llama)
+    assert tokens == _eager(bf16_llama, **options)
+
+
+def test_an_fp8_cache_replays(bf16_llama):
+    tokens, graphs = _run(bf16_llama, kv_cache_dtype="fp8")
+    assert graphs.replayed[1] > 0 and graphs.replayed[3] > 0
+    assert tokens == _eager(bf16_llama, kv_cache_dtype="fp8")
 
 
 def test_a_step_the_tracer_cannot_record_runs_eagerly(bf16_llama, monkeypatch, caplog):

@@ -239,8 +239,11 @@ class TorchAttention(AttentionBackend):
         return _has_native(device.type)
 
     def supports_decode_graphs(self) -> bool:
-        # The native kernel reads the lengths from the tensors; the gathering one sizes its work by max_len.
-        return bool(self._chosen) and all(k is not None and set(k.decode.names) == {"fw"} for k in self._chosen)
+        # The native kernel reads the lengths from the tensors; the gathering one sizes its work by max_len. An
+        # int8 cache stores each row's scale through a dtype view, which torch.jit.trace cannot record.
+        return bool(self._chosen) and all(
+            k is not None and set(k.decode.names) == {"fw"} and k.kv_cache.dtype != torch.int8 for k in self._chosen
+        )
 
     def prepare(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         block_size = batch.block_size
