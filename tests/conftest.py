@@ -32,6 +32,38 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _native_sources() -> list[tuple[str, Path]]:
+    """(library name, source) of every native kernel installed: the core's ``csrc/<x>.cpp`` load as ``fw_<x>``, a
+    plugin package's one ``csrc/*.cpp`` as the package's name."""
+    import pkgutil
+
+    import fw
+
+    sources = [(f"fw_{path.stem}", path) for path in sorted((Path(fw.__file__).parent / "csrc").glob("*.cpp"))]
+    for module in pkgutil.iter_modules():
+        if module.name.startswith("fw_") and module.ispkg:
+            package = Path(module.module_finder.path, module.name)
+            sources += [(module.name, path) for path in sorted(package.glob("csrc/*.cpp"))]
+    return sources
+
+
+def pytest_sessionstart(session):
+    """Build the native kernels two at a time before the first test: one build takes one core for 10-30 s, while
+    the test that needed it first would wait. A build already made only loads; a failed one fails again, and
+    logs why, in the test that needs it."""
+    if os.environ.get("FW_NATIVE", "1") == "0":
+        return
+    sources = _native_sources()
+    code = "import sys, pathlib, fw.native as n; [n.load(a, pathlib.Path(b)) for a, b in zip(*[iter(sys.argv[1:])] * 2)]"
+    workers = [
+        subprocess.Popen([sys.executable, "-c", code, *(str(v) for pair in sources[i::2] for v in pair)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for i in range(2)
+    ]
+    for worker in workers:
+        worker.wait()
+
+
 def run_fw(*args: str, env: dict[str, str] | None = None, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
     if pythonpath is not None:
