@@ -54,6 +54,15 @@ def test_replayed_steps_of_a_quantized_model_give_the_eager_tokens(bf16_llama, t
     assert tokens == _eager(path)
 
 
+def _assert_stays_eager(path, caplog, why: str, **kwargs) -> None:
+    """Nothing replays, the log says ``why``, and the tokens are the eager engine's."""
+    with caplog.at_level(logging.INFO, logger="fw.decode_graph"):
+        tokens, graphs = _run(path, **kwargs)
+    assert graphs.replayed == {} and graphs.off.startswith(why)
+    assert f"decode steps run eagerly: {why}" in caplog.text
+    assert tokens == _eager(path, **kwargs)
+
+
 def test_a_step_that_reads_a_tensor_into_python_stays_eager(bf16_llama, monkeypatch, caplog):
     forward = RMSNorm.forward
 
@@ -63,11 +72,7 @@ def test_a_step_that_reads_a_tensor_into_python_stays_eager(bf16_llama, monkeypa
         return forward(self, x, residual)
 
     monkeypatch.setattr(RMSNorm, "forward", reads_a_value)
-    with caplog.at_level(logging.WARNING, logger="fw.decode_graph"):
-        tokens, graphs = _run(bf16_llama)
-    assert graphs.replayed == {}
-    assert "decode steps run eagerly: the step reads a tensor into Python" in caplog.text
-    assert tokens == _eager(bf16_llama)
+    _assert_stays_eager(bf16_llama, caplog, "the step reads a tensor into Python")
 
 
 def test_a_replay_that_differs_from_the_eager_step_is_dropped(bf16_llama, monkeypatch, caplog):
@@ -80,21 +85,15 @@ def test_a_replay_that_differs_from_the_eager_step_is_dropped(bf16_llama, monkey
         return compute_logits(self, hidden) + len(calls) * 1e-3
 
     monkeypatch.setattr(LlamaForCausalLM, "compute_logits", counts_in_python)
-    with caplog.at_level(logging.WARNING, logger="fw.decode_graph"):
-        tokens, graphs = _run(bf16_llama)
-    assert graphs.replayed == {}
-    assert "decode steps run eagerly: the replay of a 3-request step differs from the eager step" in caplog.text
-    assert tokens == _eager(bf16_llama)
+    _assert_stays_eager(bf16_llama, caplog, "the replay of a 3-request step differs from the eager step")
 
 
 @pytest.mark.parametrize("why", ["gathering decode kernel", "int8 cache"])
-def test_a_backend_that_does_not_declare_graph_support_stays_eager(bf16_llama, monkeypatch, why):
+def test_a_backend_that_does_not_declare_graph_support_stays_eager(bf16_llama, monkeypatch, caplog, why):
     options = {"kv_cache_dtype": "int8"} if why == "int8 cache" else {}
     if why == "gathering decode kernel":  # it sizes its work by a host-side length
         monkeypatch.setenv("FW_KERNELS", "attention.decode=torch")
-    tokens, graphs = _run(bf16_llama, **options)
-    assert graphs.replayed == {} and graphs.off == "the attention backend TorchAttention does not support them"
-    assert tokens == _eager(bf16_llama, **options)
+    _assert_stays_eager(bf16_llama, caplog, "the attention backend TorchAttention does not support them", **options)
 
 
 def test_an_fp8_cache_replays(bf16_llama):
@@ -106,12 +105,8 @@ def test_an_fp8_cache_replays(bf16_llama):
 def test_a_step_the_tracer_cannot_record_runs_eagerly(bf16_llama, monkeypatch, caplog):
     import torch
 
-    def unknown_op(*args, **kwargs):  # as torch 2.13's tracer fails on a float8 dtype view
+    def unknown_op(*args, **kwargs):  # as torch 2.13's tracer fails on a dtype view
         raise RuntimeError("We don't have an op for aten::view but it isn't a special case.")
 
     monkeypatch.setattr(torch.jit, "trace", unknown_op)
-    with caplog.at_level(logging.WARNING, logger="fw.decode_graph"):
-        tokens, graphs = _run(bf16_llama)
-    assert graphs.replayed == {}
-    assert "decode steps run eagerly: tracing the step failed (RuntimeError: We don't have an op" in caplog.text
-    assert tokens == _eager(bf16_llama)
+    _assert_stays_eager(bf16_llama, caplog, "tracing the step failed (RuntimeError: We don't have an op")

@@ -52,6 +52,43 @@ inline float block_offset(const uint8_t* blk, int64_t qtype, float d) {
   return qtype == Q4_1 ? half(blk + 2) : qtype == Q4_0 ? -8.f * d : 0.f;
 }
 
+// A block's scale d and offset; Q4_1's adjacent d and m in one conversion.
+template <int64_t T>
+inline void block_scales(const uint8_t* blk, float& d, float& offset) {
+#if defined(__F16C__)
+  if constexpr (T == Q4_1) {
+    int32_t dm;
+    std::memcpy(&dm, blk, 4);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+    d = _mm_cvtss_f32(f), offset = _mm_cvtss_f32(_mm_movehdup_ps(f));
+    return;
+  }
+#endif
+  d = half(blk), offset = block_offset(blk, T, d);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// A row's products for M activation rows: block(b, acc, off) adds block b into one set of accumulators (vector
+// and scalar offset terms); sets alternate between even and odd blocks up to 4 rows, where 16 registers hold two
+// sets and a block, so that consecutive blocks do not wait on each other. Stores each row's total.
+template <int M, typename Block>
+inline void sum_blocks(int64_t blocks, float* y, int64_t ldy, const Block& block) {
+  constexpr int S = M <= 4 ? 2 : 1;
+  __m256 acc[S][M];
+  float off[S][M];
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < M; ++m) acc[s][m] = _mm256_setzero_ps(), off[s][m] = 0.f;
+  int64_t b = 0;
+  for (; b + S <= blocks; b += S)
+    for (int s = 0; s < S; ++s) block(b + s, acc[s], off[s]);
+  for (; b < blocks; ++b) block(b, acc[0], off[0]);
+  for (int m = 0; m < M; ++m) {
+    if constexpr (S == 2) acc[0][m] = _mm256_add_ps(acc[0][m], acc[1][m]), off[0][m] += off[1][m];
+    y[m * ldy] = fw::sum8(acc[0][m]) + off[0][m];
+  }
+}
+#endif
+
 #if defined(__AVX512F__)
 // The integer weights of a block as floats: elements 0-15 and 16-31.
 inline void block_vectors(const uint8_t* blk, int64_t qtype, __m512& lo, __m512& hi) {
@@ -120,31 +157,12 @@ inline void block_vectors(const uint8_t* blk, __m256 v[4]) {
   }
 }
 
-// A block's scale d and offset (block_offset); Q4_1's adjacent d and m in one conversion.
-template <int64_t T>
-inline void block_scales(const uint8_t* blk, float& d, float& offset) {
-  if constexpr (T == Q4_1) {
-    int32_t dm;
-    std::memcpy(&dm, blk, 4);
-    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
-    d = _mm_cvtss_f32(f), offset = _mm_cvtss_f32(_mm_movehdup_ps(f));
-  } else {
-    d = half(blk), offset = block_offset(blk, T, d);
-  }
-}
-
-// As the AVX-512 version; two sets of accumulators (even and odd blocks) only up to 4 rows, where 16 registers
-// hold them and a block.
+// As the AVX-512 version, with the accumulators of sum_blocks.
 template <int64_t T, int M>
 void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
              int64_t K) {
   constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
-  constexpr int S = M <= 4 ? 2 : 1;
-  __m256 acc[S][M];
-  float off[S][M];
-  for (int s = 0; s < S; ++s)
-    for (int m = 0; m < M; ++m) acc[s][m] = _mm256_setzero_ps(), off[s][m] = 0.f;
-  auto block = [&](int64_t b, __m256* a, float* o) {
+  sum_blocks<M>(blocks, y, ldy, [&](int64_t b, __m256* a, float* o) {
     const uint8_t* blk = row + b * bb;
     float d, offset;
     block_scales<T>(blk, d, offset);
@@ -160,15 +178,7 @@ void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, in
       a[m] = _mm256_fmadd_ps(dot, dv, a[m]);
       if constexpr (T != Q8_0) o[m] += offset * xsum[m * blocks + b];
     }
-  };
-  int64_t b = 0;
-  for (; b + S <= blocks; b += S)
-    for (int s = 0; s < S; ++s) block(b + s, acc[s], off[s]);
-  for (; b < blocks; ++b) block(b, acc[0], off[0]);
-  for (int m = 0; m < M; ++m) {
-    if constexpr (S == 2) acc[0][m] = _mm256_add_ps(acc[0][m], acc[1][m]), off[0][m] += off[1][m];
-    y[m * ldy] = fw::sum8(acc[0][m]) + off[0][m];
-  }
+  });
 }
 #else
 template <int64_t T, int M>
@@ -302,12 +312,7 @@ template <int64_t T, typename A, int M>
 void dot_row_int(const A* xq, const float* dx, const float* xs, const uint8_t* row, float* y, int64_t ldy,
                  int64_t blocks, int64_t K) {
   constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
-  constexpr int S = M <= 4 ? 2 : 1;  // accumulator sets, as dot_row
-  __m256 acc[S][M];
-  float off[S][M];
-  for (int s = 0; s < S; ++s)
-    for (int m = 0; m < M; ++m) acc[s][m] = _mm256_setzero_ps(), off[s][m] = 0.f;
-  auto block = [&](int64_t b, __m256* a, float* o) {
+  sum_blocks<M>(blocks, y, ldy, [&](int64_t b, __m256* a, float* o) {
     const uint8_t* blk = row + b * bb;
     float d, offset;
     block_scales<T>(blk, d, offset);
@@ -317,15 +322,7 @@ void dot_row_int(const A* xq, const float* dx, const float* xs, const uint8_t* r
       a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * dx[m * blocks + b]), a[m]);
       if constexpr (T != Q8_0) o[m] += offset * xs[m * blocks + b];
     }
-  };
-  int64_t b = 0;
-  for (; b + S <= blocks; b += S)
-    for (int s = 0; s < S; ++s) block(b + s, acc[s], off[s]);
-  for (; b < blocks; ++b) block(b, acc[0], off[0]);
-  for (int m = 0; m < M; ++m) {
-    if constexpr (S == 2) acc[0][m] = _mm256_add_ps(acc[0][m], acc[1][m]), off[0][m] += off[1][m];
-    y[m * ldy] = fw::sum8(acc[0][m]) + off[0][m];
-  }
+  });
 }
 #else
 template <int64_t T, typename A, int M>
