@@ -8,7 +8,8 @@ inputs) and replays that graph in torch's C++ interpreter from then on.
 A graph is right only if the step's ops depend on nothing but those inputs. Three guards:
 - The model class (``decode_graphs = True``) and the attention backend (``supports_decode_graphs()``) say so:
   their decode path reads no host-side value that changes from step to step.
-- A tensor's values read into Python while tracing (``.item()``, ``.tolist()``) abandon the capture.
+- A tensor's values read into Python while tracing (``.item()``, ``.tolist()``) abandon the capture, as does an op
+  the tracer cannot record.
 - A new graph's first replay runs beside the eager step, and the two must give the same logits, bit for bit.
 After a failure every decode step runs eagerly, with one warning (the next size would fail alike).
 ``--enforce-eager`` turns capturing off.
