@@ -66,8 +66,7 @@ class DecodeGraphs:
         state = self._state.get(size)
         if state == _READY:
             self.replayed[size] = self.replayed.get(size, 0) + 1
-            with torch.jit.optimized_execution(False):  # the graph as recorded: no fusion to change the numbers
-                return self._graphs[size](*inputs)
+            return self._replay(size, inputs)
         if state is None:
             self._state[size] = _SEEN
             return None
@@ -78,6 +77,10 @@ class DecodeGraphs:
                 return None
             return self._capture(batch, inputs)
         return self._check(batch, inputs)
+
+    def _replay(self, size: int, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        with torch.jit.optimized_execution(False):  # the graph as recorded: no fusion to change the numbers
+            return self._graphs[size](*inputs)
 
     def _run(self, batch: AttentionBatch, *inputs: torch.Tensor) -> torch.Tensor:
         """The eager step on ``inputs``, as a function of them alone: ``batch`` gives only what the trace keeps."""
@@ -91,7 +94,7 @@ class DecodeGraphs:
             hidden = runner.model(input_ids, positions)
         return runner.model.compute_logits(hidden)
 
-    def _capture(self, batch: AttentionBatch, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _capture(self, batch: AttentionBatch, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         size = batch.num_reqs
         result: list[torch.Tensor] = []
 
@@ -115,8 +118,7 @@ class DecodeGraphs:
 
     def _check(self, batch: AttentionBatch, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         size = batch.num_reqs
-        with torch.jit.optimized_execution(False):
-            replayed = self._graphs[size](*inputs)
+        replayed = self._replay(size, inputs)
         eager = self._run(batch, *inputs)  # writes the same KV the replay did
         if torch.equal(replayed, eager):
             self._state[size] = _READY
