@@ -87,10 +87,9 @@ def _torch_dtype(name: str):
 
 def produce(args: argparse.Namespace) -> dict:
     import torch
-    from transformers import AutoTokenizer
-
     from gptqmodel import BACKEND, GPTQModel
     from gptqmodel.quantization.config import AWQConfig, GPTQConfig
+    from transformers import AutoTokenizer
 
     torch.set_num_threads(2)
     plain, out = Path(args.plain).resolve(), Path(args.out).resolve()
@@ -191,7 +190,6 @@ def _checkpoint_tensors(model_dir: Path) -> dict:
 def _dequantize(module) -> tuple:
     """(weight [in, out], name of the GPTQModel function used) for a loaded quantized linear."""
     import torch
-
     from gptqmodel.nn_modules.qlinear import PackableQuantLinear
     from gptqmodel.nn_modules.qlinear.torch import TorchLinear
     from gptqmodel.nn_modules.qlinear.torch_awq import AwqTorchLinear
@@ -233,10 +231,9 @@ def _prompt_ids(args, model_dir: Path) -> list:
 
 def reference(args: argparse.Namespace) -> dict:
     import torch
-    from safetensors.torch import save_file
-
     from gptqmodel import BACKEND, GPTQModel
     from gptqmodel.nn_modules.qlinear import BaseQuantLinear
+    from safetensors.torch import save_file
 
     torch.set_num_threads(2)
     model_dir = Path(args.model)
