@@ -231,6 +231,48 @@ def health_watch(base: str):
         thread.join(30)
 
 
+def test_fw_serve_builds_its_engine_on_the_engine_thread(tiny, monkeypatch):
+    """The thread that steps the engine also loads it, so that only its OpenMP team exists (AsyncEngine's doc:
+    a second team makes the stepping threads sleep and wake around every op). What the build raises reaches
+    the caller: `fw serve` reports a model that does not load, it does not hang."""
+    from click.testing import CliRunner
+
+    import fw.engine
+    from fw_cli import main
+    from fw_cli.server import app
+
+    built_on, stepped_on, real_init, real_step = [], [], fw.engine.LLMEngine.__init__, fw.engine.LLMEngine.step
+
+    def init(self, *args, **kwargs):
+        built_on.append(threading.current_thread())
+        real_init(self, *args, **kwargs)
+
+    def step(self):
+        stepped_on.append(threading.current_thread())
+        return real_step(self)
+
+    def serve_one_request(server, host, port, log_level="info"):
+        from fw import SamplingParams, TokensPrompt
+
+        request = (TokensPrompt(prompt_token_ids=[1, 2, 3]), SamplingParams(max_tokens=2), "r", 0)
+
+        async def generate():
+            return [out async for _, out in server.engine.generate_many([request])]
+
+        assert asyncio.run(generate())[-1].finished
+        server.engine.shutdown()
+
+    monkeypatch.setattr(fw.engine.LLMEngine, "__init__", init)
+    monkeypatch.setattr(fw.engine.LLMEngine, "step", step)
+    monkeypatch.setattr(app, "run", serve_one_request)
+    result = CliRunner().invoke(main.cli, ["serve", "--model", str(tiny), "--max-model-len", "64"])
+    assert result.exit_code == 0, result.output
+    assert built_on[0].name == "fw-engine" and set(stepped_on) == {built_on[0]}
+
+    result = CliRunner().invoke(main.cli, ["serve", "--model", f"{tiny}/missing"])
+    assert result.exit_code == 1 and "missing" in result.output
+
+
 def test_a_failing_step_fails_only_the_requests_it_is_pinned_on(tiny):
     """A sampler failure is pinned on the rows that fail alone. One the engine cannot pin on a request (here the
     forward pass, whenever a poisoned prompt is in the batch) fails the step's newest admissions and the step

@@ -249,7 +249,7 @@ def serve(resolved: ResolvedConfig) -> None:
     config = resolved.config
     replicas = config.parallel.data_parallel_size
     try:
-        engine = DataParallelEngine(config) if replicas > 1 else AsyncEngine(LLMEngine(config))
+        engine = DataParallelEngine(config) if replicas > 1 else AsyncEngine(lambda: LLMEngine(config))
     except (EngineError, ModelLoadError, plugins.PluginError) as exc:
         raise click.ClickException(str(exc)) from None
     model = config.model.model
