@@ -72,15 +72,15 @@ class AsyncEngine:
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(engine, built), name="fw-engine", daemon=True)
         self._thread.start()
-        self.engine: LLMEngine = built.result()
+        built.result()  # waits for the engine; raises what building it raised
 
     def _run(self, engine: LLMEngine | Callable[[], LLMEngine], built: Future) -> None:
         try:
-            self.engine = engine if isinstance(engine, LLMEngine) else engine()
+            self.engine: LLMEngine = engine if isinstance(engine, LLMEngine) else engine()
         except BaseException as exc:  # noqa: BLE001 - raised by the constructor, on the caller's thread
             built.set_exception(exc)
             return
-        built.set_result(self.engine)
+        built.set_result(None)
         self._loop()
 
     def _call(self, fn: Callable[[], Any]) -> Future:
