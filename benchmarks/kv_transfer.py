@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from fw import LLM, SamplingParams
-from fw.kernels import machine, relevant_flags
+from fw.sdk.kernels import machine, relevant_flags
 from fw.testing.models import make_tiny_model
 
 BLOCK = 16
@@ -112,9 +112,10 @@ def run_connector(model: Path, plugin: str, options, tokens: int, runs: int) -> 
         for run in range(runs):
             prompt = [{"prompt_token_ids": [(run * 7919 + i * 31) % 250 + 3 for i in range(tokens)]}]
             producer.generate(prompt, one, use_tqdm=False)
-            stats = consumer.llm_engine.scheduler.connector_stats
-            loaded, seconds = stats.bytes_loaded, stats.seconds
+            before = consumer.llm_engine.stats().kv_connector
+            loaded, seconds = before.bytes_loaded, before.seconds
             consumer.generate(prompt, one, use_tqdm=False)
+            stats = consumer.llm_engine.stats().kv_connector
             if stats.failed_loads or stats.bytes_loaded == loaded:
                 raise RuntimeError(f"{plugin}: the consumer computed the prompt instead of loading it")
             rates.append((stats.bytes_loaded - loaded) / (stats.seconds - seconds) / 1e9)

@@ -14,7 +14,7 @@ import tempfile
 import time
 
 from fw import LLM, SamplingParams
-from fw.kernels import machine, relevant_flags
+from fw.sdk.kernels import machine, relevant_flags
 
 
 def ttft(llm: LLM, tokens: list[int]) -> float:
@@ -37,7 +37,7 @@ def main() -> None:
                       plugin_options={"kv_connector": {"path": path, **options}})
             computed = ttft(llm, prefix + [11, 12, 13])
             loaded = ttft(llm, prefix + [21, 22, 23])
-            hits = llm.llm_engine.scheduler.connector_stats.hits
+            hits = llm.llm_engine.stats().kv_connector.hits
             print(f"{tier}: TTFT computing the prefix {computed * 1000:.0f} ms, loading it {loaded * 1000:.0f} ms "
                   f"({computed / loaded:.1f}x; {hits} tokens loaded)")
             llm.shutdown()

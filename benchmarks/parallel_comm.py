@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from fw import LLM, SamplingParams, distributed, executor, plugins
-from fw.kernels import machine, relevant_flags
+from fw.sdk.kernels import machine, relevant_flags
 from fw.testing.models import make_tiny_model
 
 TIMED = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv", "dispatch", "combine")
@@ -57,7 +57,7 @@ class Clock:
 
 
 def install(clock: Clock) -> None:
-    _, comm_cls = plugins.load_driver("comm", "torch")
+    comm_cls, _ = plugins.load_driver("comm", "torch")
     for name in TIMED:
         if name in vars(comm_cls):
             clock.wrap(comm_cls, name, "comm")

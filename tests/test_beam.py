@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fw import LLM
-from fw.sampling_params import BeamSearchParams
+from fw.sdk.sampling_params import BeamSearchParams
 from fw.testing.conformance import SamplerConformance
 from fw.testing.models import make_tiny_model
 

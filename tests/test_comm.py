@@ -26,7 +26,7 @@ def test_check_lists_every_reason_deepep_cannot_run_here(fw_cli):
 
 def test_a_v1_plugin_gets_the_default_dispatch_and_combine():
     """v1's dispatch/combine had other signatures and were never called: a v1 plugin's own are not used."""
-    from fw_comm_torch.communicator import TorchDistributed
+    from fw.sdk.torch_distributed import TorchDistributed
 
     class OldStyle(TorchDistributed):
         def dispatch(self, hidden, topk_ids, num_experts):  # v1's signature

@@ -36,7 +36,7 @@ class TestFlashAttnAttention(AttentionConformance):
 
 
 class TestTritonAttention(AttentionConformance):
-    """On a CPU in Triton's interpreter (tests/conftest.py), float32 only."""
+    """On a CPU in Triton's interpreter (conftest.py), float32 only."""
 
     plugin = "triton"
 

@@ -12,9 +12,8 @@ from unittest import mock
 import pytest
 import torch
 
-from fw import kv_quant
 from fw.interfaces.attention import AttentionBatch, AttentionLayerSpec
-from fw.layers import dense
+from fw.sdk import dense, kv_quant
 from fw.testing.conformance import dense_attention
 from fw_attention_torch.backend import TorchAttention
 
@@ -77,7 +76,7 @@ def test_native_paged_decode_matches_dense_attention(native_kernel, dtype, heads
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("window", [None, 5])
 def test_native_paged_decode_reads_quantized_caches(native_kernel, kv_cache_dtype, dtype, window):
-    """The kernel dequantizes rows as fw.kv_quant does: it matches dense attention over what the cache holds."""
+    """The kernel dequantizes rows as fw.sdk.kv_quant does: it matches dense attention over what the cache holds."""
     seq_lens = [1, 7, 16, 33, 70]
     scales = (0.5, 2.0) if kv_cache_dtype == "fp8" else (1.0, 1.0)  # per-layer scales: fp8 only
     args = (dtype, 6, 2, 64, window, seq_lens)
@@ -102,12 +101,12 @@ def test_native_and_torch_paths_agree_on_a_batch(native_kernel):
 def test_bf16_engine_fast_paths_match_the_reference_paths(tmp_path, monkeypatch):
     """A bf16 model end to end: packed weights + native kernels give the tokens the plain torch paths give."""
     from fw import LLM, SamplingParams
-    from fw.layers import native_ops
+    from fw.sdk import native_ops
     from fw.testing.models import make_tiny_model
 
     path = make_tiny_model("Qwen2ForCausalLM", tmp_path / "qwen2", dtype="bfloat16", tie_word_embeddings=True)
     prompts = ["Hello world, this is", "def fibonacci(n):\n    return", "x"]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
 
     def run():
         llm = LLM(path, num_kv_blocks=64)
@@ -123,15 +122,26 @@ def test_bf16_engine_fast_paths_match_the_reference_paths(tmp_path, monkeypatch)
     chosen, reference = run()
     assert {names for names in chosen.values()} == {("torch",) * len(dense.LINEAR.rows)}
     for a, b in zip(fast, reference, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        lp_a = [d[t].logprob for d, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids, strict=True)]
-        lp_b = [d[t].logprob for d, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids, strict=True)]
-        assert lp_a == pytest.approx(lp_b, abs=0.05)
+        assert_greedy_close(a.outputs[0], b.outputs[0], tolerance=0.05)
+
+
+def assert_greedy_close(a, b, tolerance: float) -> None:
+    """Two greedy runs of one model by different kernels: the same tokens with log-probabilities within
+    ``tolerance``, up to a near-tie that their rounding may break either way (random bf16 weights make them
+    common: on Zen 4 one prompt's sixth token had its top two 0.0008 apart). There each run's token is the
+    other's runner-up by at most ``tolerance``, and the comparison stops, since the runs go on from different
+    tokens. Needs logprobs=2."""
+    for pos, (ta, tb, la, lb) in enumerate(zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs, strict=True)):
+        assert la[ta].logprob == pytest.approx(lb[tb].logprob, abs=tolerance), pos
+        if ta != tb:
+            assert tb in la and ta in lb, (pos, la, lb)
+            assert la[ta].logprob - la[tb].logprob <= tolerance and lb[tb].logprob - lb[ta].logprob <= tolerance, pos
+            return
 
 
 @pytest.fixture
 def layer_kernels():
-    from fw.layers import native_ops
+    from fw.sdk import native_ops
 
     if not native_ops.usable(torch.empty(1, dtype=torch.bfloat16)):
         if shutil.which("c++") or shutil.which("g++"):
@@ -184,7 +194,7 @@ def test_native_rotary_matches_torch_on_strided_views(layer_kernels, monkeypatch
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_native_silu_and_mul_matches_torch(layer_kernels, monkeypatch, dtype):
-    from fw.layers.activation import silu_and_mul
+    from fw.sdk.activation import silu_and_mul
 
     x = 4 * torch.randn(9, 2 * 300, generator=torch.Generator().manual_seed(2))  # 300: vector lanes and a tail
     x[0, :8], x[0, 300:308] = torch.tensor([-200.0, -90, -87, -20, 20, 87, 90, 200]), 1  # exp's ends
@@ -199,7 +209,7 @@ def test_native_silu_and_mul_matches_torch(layer_kernels, monkeypatch, dtype):
 
 def test_each_version_of_a_kernel_source_builds_in_its_own_folder(tmp_path, monkeypatch):
     """Two installs of fw on one machine (or a checkout beside an installed copy) never share a build."""
-    from fw import native
+    from fw.sdk import native
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     a, b = tmp_path / "a.cpp", tmp_path / "b.cpp"
@@ -212,12 +222,12 @@ def test_each_version_of_a_kernel_source_builds_in_its_own_folder(tmp_path, monk
 
 def test_a_build_killed_midway_does_not_block_the_next_start(tmp_path):
     """torch's lock file outlives a build that was killed: the next load must not wait on it forever."""
-    from fw import native
+    from fw.sdk import native
 
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "FW_NATIVE": "1"}
     source = tmp_path / "k.cpp"
     source.write_text("// an empty library\n")
-    script = f"from pathlib import Path; from fw import native; print(native.load('fw_test_stale', Path({str(source)!r})))"
+    script = f"from pathlib import Path; from fw.sdk import native; print(native.load('fw_test_stale', Path({str(source)!r})))"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCH_EXTENSIONS_DIR", env["TORCH_EXTENSIONS_DIR"])
         (native.build_directory("fw_test_stale", source) / "lock").touch()  # what the killed build left
@@ -229,8 +239,8 @@ def test_a_build_killed_midway_does_not_block_the_next_start(tmp_path):
 def test_native_kv_store_matches_the_torch_writes(layer_kernels, monkeypatch, dtype):
     """kv_quant.write_kv's native copy (the model dtype's cache) stores what the torch path stores, from k and v
     views into a fused q/k/v output; other tokens' slots stay as they were; a slot outside the cache is refused."""
-    from fw import kv_quant
     from fw.interfaces.attention import AttentionLayerSpec
+    from fw.sdk import kv_quant
 
     layer = AttentionLayerSpec(num_heads=4, num_kv_heads=2, head_size=16, scale=0.25, layer_idx=0)
     gen = torch.Generator().manual_seed(3)

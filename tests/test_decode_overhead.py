@@ -12,10 +12,10 @@ import test_gguf as gguf_tests
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from fw.layers import native_ops
-from fw.layers.activation import silu_and_mul
 from fw.layers.layernorm import RMSNorm
 from fw.layers.rotary import RotaryEmbedding
+from fw.sdk import native_ops
+from fw.sdk.activation import silu_and_mul
 from fw.testing.models import make_tiny_model
 from fw_quant_gguf.method import quantize_q8_0
 

@@ -68,9 +68,10 @@ def test_v3_router_bias_steers_the_choice(checkpoint):
 
 def test_multi_token_prediction_layers_are_not_loaded(checkpoint):
     """V3 checkpoints carry MTP layers after the decoder (model.layers.61 of 61): fw serves only the decoder."""
-    from fw.model_loader import iter_safetensors, load_model
+    from fw.model_loader import load_model
     from fw.models.base import HFConfig, ModelContext
     from fw.models.deepseek import DeepseekV3ForCausalLM
+    from fw.sdk.checkpoint import iter_safetensors
     from fw_quant_none.method import Unquantized
 
     path = checkpoint("DeepseekV3ForCausalLM")

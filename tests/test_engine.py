@@ -9,7 +9,7 @@ import torch
 
 from fw import LLM, SamplingParams
 from fw.engine import EngineError
-from fw.model_loader import ModelLoadError
+from fw.sdk.errors import ModelLoadError
 from fw.testing.models import ARCHITECTURES, make_tiny_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)

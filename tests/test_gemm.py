@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fw import native
+from fw.sdk import native
 
 SOURCE = native.INCLUDE / "gemm.cpp"
 

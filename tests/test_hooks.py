@@ -8,13 +8,13 @@ import time
 import pytest
 
 from conftest import run_fw
-from fw import hookimpl
+from fw.interfaces.hooks import hookimpl
 
 HOOKS = """
 import json, os
 from pydantic import BaseModel
-from fw import hookimpl
-from fw.config import CliOption
+from fw.interfaces.hooks import hookimpl
+from fw.interfaces.hooks import CliOption
 
 def _log(event, **data):
     with open(os.environ["FW_TEST_HOOK_LOG"], "a") as f:
@@ -204,7 +204,8 @@ def test_two_engines_in_one_process_each_see_their_own_configure(tiny, register)
 def test_step_stats_time_first_use_compilation_apart_from_the_forward_pass(tiny, register, monkeypatch, tmp_path):
     from torch.utils import cpp_extension
 
-    from fw import LLM, SamplingParams, native
+    from fw import LLM, SamplingParams
+    from fw.sdk import native
 
     class Stats:
         def __init__(self):
@@ -232,5 +233,6 @@ def test_step_stats_time_first_use_compilation_apart_from_the_forward_pass(tiny,
     llm.generate(["Hello"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     llm.shutdown()
     first, second = recorded.seen
-    assert first.compile_seconds >= 2 and first.forward_seconds < 2 <= first.step_seconds
-    assert second.compile_seconds < 2 and second.forward_seconds > 0  # built once
+    # The build is counted in its step, apart from the forward pass it interrupted.
+    assert first.compile_seconds >= 2 and first.forward_seconds + first.compile_seconds <= first.step_seconds
+    assert second.compile_seconds < first.compile_seconds and second.forward_seconds > 0  # built once

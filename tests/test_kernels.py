@@ -1,4 +1,4 @@
-"""Kernel choice by measurement (``fw.kernels``): the mechanism, and every candidate against its reference."""
+"""Kernel choice by measurement (``fw.sdk.kernels``): the mechanism, and every candidate against its reference."""
 
 from __future__ import annotations
 
@@ -12,16 +12,15 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from fw import kernels, native
 from fw.interfaces.attention import AttentionLayerSpec
-from fw.layers import dense
+from fw.sdk import dense, kernels, native
 from fw_attention_torch import backend as torch_attention
+from fw_quant_fp8 import int8  # noqa: F401 (registers the int8 operations)
 from fw_quant_fp8 import method as fp8_method
 from fw_quant_fp8.numerics import E4M3, INT8, quantize_rows
 from fw_quant_gguf import method as gguf_method
 from fw_quant_gguf.dequant import row_bytes
 from fw_quant_gptq import packed
-from fw_quant_int8 import method as int8_method  # noqa: F401 (registers the int8 operations)
 
 
 @pytest.fixture

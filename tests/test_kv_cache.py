@@ -7,12 +7,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from fw.kv_cache import (
-    BlockPool,
-    KVCacheManager,
-    NoFreeBlocksError,
-    hash_block_tokens,
-)
+from fw.kv_cache import BlockPool, KVCacheManager, NoFreeBlocksError
+from fw.sdk.block_hash import hash_block_tokens
 
 CORE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "core")
 
@@ -48,7 +44,7 @@ def test_hash_rejects_unencodable_extra_key():
 
 def test_hash_equal_across_processes():
     args = "(None, [1, 2, 3, 4], ('lora', 7, b'img', 1.5, None, ('nested', True)))"
-    code = f"from fw.kv_cache import hash_block_tokens as h; p = h{args}; print(p, h(p, [5, 6, 7, 8], ('lora', 7)))"
+    code = f"from fw.sdk.block_hash import hash_block_tokens as h; p = h{args}; print(p, h(p, [5, 6, 7, 8], ('lora', 7)))"
     outs = set()
     for seed in ("0", "12345"):  # different str hash() randomization per process
         env = dict(os.environ, PYTHONPATH=CORE_DIR, PYTHONHASHSEED=seed)

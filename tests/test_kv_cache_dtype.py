@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fw import LLM, SamplingParams, kv_quant
+from fw import LLM, SamplingParams
 from fw.config import ConfigError
 from fw.interfaces.attention import AttentionCapabilities, AttentionLayerSpec, MLADims
-from fw.scheduler import StepInputs
+from fw.sdk import kv_quant
+from fw.step_inputs import StepInputs
 from fw.testing.models import make_tiny_model
 from fw_attention_torch.backend import TorchAttention
 

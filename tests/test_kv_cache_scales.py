@@ -17,9 +17,11 @@ from safetensors.torch import load_file, save_file
 from test_kv_cache_dtype import TOLERANCE, _logits, _runner
 
 from fw import model_registry
-from fw.model_loader import ModelLoadError, iter_safetensors, load_model
+from fw.model_loader import load_model
 from fw.models.base import HFConfig, ModelContext
-from fw.scheduler import StepInputs
+from fw.sdk.checkpoint import iter_safetensors
+from fw.sdk.errors import ModelLoadError
+from fw.step_inputs import StepInputs
 from fw.testing.models import make_tiny_model
 from fw_attention_torch.backend import TorchAttention
 from fw_quant_none.method import Unquantized

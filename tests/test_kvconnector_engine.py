@@ -42,14 +42,14 @@ def run(llm, prompts=PROMPTS):
 def test_disk_prefix_saved_by_one_engine_is_loaded_by_a_fresh_one(model, reference, tmp_path):
     producer = disk_llm(model, tmp_path, "producer")
     assert run(producer, PROMPTS[:1])[0] == reference[:1]
-    stats = producer.llm_engine.scheduler.connector_stats
+    stats = producer.llm_engine.stats().kv_connector
     assert stats.hits == 0 and stats.bytes_saved > 0
     assert len(list(tmp_path.glob("*.safetensors"))) == 4
 
     consumer = disk_llm(model, tmp_path, "consumer", enable_prefix_caching=False)
     tokens, outputs = run(consumer)
     assert tokens == reference
-    stats = consumer.llm_engine.scheduler.connector_stats
+    stats = consumer.llm_engine.stats().kv_connector
     # Loaded: the four shared blocks of the first prompt, the first block of the second.
     assert stats.hits == 64 + 16 and stats.queries == 70 + 46 + 40 and stats.failed_loads == 0
     assert [o.num_cached_tokens for o in outputs] == [64, 16, 0]
@@ -64,7 +64,7 @@ def test_a_salted_prompt_loads_only_what_its_own_salt_saved(model, reference, tm
     for prompt, hits in (({**PROMPTS[0], "cache_salt": "tenant-b"}, 0), (PROMPTS[0], 0), (salted[0], 64)):
         consumer = disk_llm(model, tmp_path, "consumer", enable_prefix_caching=False)
         assert run(consumer, [prompt])[0] == reference[:1]
-        assert consumer.llm_engine.scheduler.connector_stats.hits == hits, prompt
+        assert consumer.llm_engine.stats().kv_connector.hits == hits, prompt
 
 
 def test_a_failed_load_is_recomputed(model, reference, tmp_path):
@@ -76,7 +76,7 @@ def test_a_failed_load_is_recomputed(model, reference, tmp_path):
     consumer = disk_llm(model, tmp_path, "consumer", enable_prefix_caching=False)
     tokens, outputs = run(consumer)
     assert tokens == reference and [o.num_cached_tokens for o in outputs] == [0, 0, 0]
-    stats = consumer.llm_engine.scheduler.connector_stats
+    stats = consumer.llm_engine.stats().kv_connector
     assert stats.failed_loads == 2 and stats.bytes_loaded == 0
     assert consumer.llm_engine.kv.num_free_blocks() == 64
 
@@ -88,8 +88,8 @@ from pydantic import BaseModel
 import torch
 from fw.interfaces import kvconnector
 from fw.interfaces.base import frozen
-from fw.kv_cache import block_hash_chain
-from fw.plugins import PluginSpec
+from fw.sdk.block_hash import block_hash_chain
+from fw.interfaces.spec import PluginSpec
 
 STORE = {}  # prefix hash -> {layer: block}
 EVENTS = []
@@ -224,7 +224,7 @@ def test_async_loads_wait_for_their_kv_then_run(model, reference, memory):
     tokens, outputs = run(consumer)
     assert tokens == reference
     assert [o.num_cached_tokens for o in outputs] == [64, 16, 0]
-    stats = engine.scheduler.connector_stats
+    stats = engine.stats().kv_connector
     assert stats.hits == 80 and stats.failed_loads == 0
     assert stats.bytes_loaded == 5 * engine.executor.runner.bytes_per_block
     # Both loads were reported by the worker; the requests ran after, with the loaded tokens computed.
@@ -238,7 +238,7 @@ def test_failed_async_load_is_recomputed(model, reference, memory):
     tokens, outputs = run(consumer)
     assert tokens == reference and [o.num_cached_tokens for o in outputs] == [0, 0, 0]
     engine = consumer.llm_engine
-    assert engine.scheduler.connector_stats.failed_loads == 2
+    assert engine.stats().kv_connector.failed_loads == 2
     assert engine.kv.num_free_blocks() == 64 and not engine.scheduler.kv_pending
 
 
@@ -273,7 +273,7 @@ def test_abort_during_an_async_load_holds_blocks_until_the_worker_is_done(model,
     engine = memory_llm(model, load_steps=3).llm_engine
     engine.add_request(PROMPTS[0], GREEDY, request_id="r")
     engine.step()  # admitted: its load is in flight
-    assert "r" in engine.scheduler.waiting_for_kv and engine.kv.num_free_blocks() == 64 - 4
+    assert "r" in engine.scheduler.transfers.loading and engine.kv.num_free_blocks() == 64 - 4
     engine.abort_request("r")
     assert engine.kv.num_free_blocks() == 64 - 4  # the load may still write them
     while engine.has_unfinished_requests():
@@ -322,4 +322,4 @@ def test_a_connector_offering_too_much_fails_no_one(caplog):
     sched.add(Request("r", list(range(1, 11)), SamplingParams(max_tokens=4)))
     batch = sched.schedule()
     assert batch.num_new == [10] and connector.external == 0  # computed here instead
-    assert "offered 10 tokens" in caplog.text and sched.connector_stats.hits == 0
+    assert "offered 10 tokens" in caplog.text and sched.transfers.stats.hits == 0

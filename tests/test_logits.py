@@ -16,8 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fw import native
-from fw.layers import dense
+from fw.sdk import dense, native
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -113,7 +112,8 @@ def test_greedy_breaks_a_near_tie_by_the_float32_logits(tmp_path):
 # LLM. What each LLM's layers chose is reported with its answers, so that a test sees its forcing take effect.
 _README_CHAT = """
 import json, os, sys, traceback
-from fw import LLM, SamplingParams, kernels
+from fw import LLM, SamplingParams
+from fw.sdk import kernels
 results = {}
 for forced in json.loads(sys.argv[1]):
     os.environ["FW_KERNELS"] = forced

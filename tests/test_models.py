@@ -16,16 +16,11 @@ import torch
 
 from fw.forward_context import set_forward_context
 from fw.interfaces.attention import AttentionBatch
-from fw.model_loader import (
-    CheckpointNotFoundError,
-    MissingWeightsError,
-    ModelLoadError,
-    iter_safetensors,
-    load_model,
-    resolve_dtype,
-)
+from fw.model_loader import load_model, resolve_dtype
 from fw.models import specs
 from fw.models.base import HFConfig, ModelContext
+from fw.sdk.checkpoint import iter_safetensors
+from fw.sdk.errors import CheckpointNotFoundError, MissingWeightsError, ModelLoadError
 from fw.testing.models import ARCHITECTURES, VOCAB_SIZE
 from fw_attention_torch.backend import TorchAttention
 from fw_quant_none.method import Unquantized
@@ -307,7 +302,7 @@ def test_resolve_dtype():
 def _tp_worker(rank: int, init_method: str, paths: list, out_file, expert_parallel: bool, decode_steps: int) -> None:
     from fw.distributed import ParallelLayout, destroy_parallel, init_parallel
     from fw.layers.moe import FusedMoE
-    from fw_comm_torch.communicator import TorchDistributed
+    from fw.sdk.torch_distributed import TorchDistributed
 
     torch.set_num_threads(1)
     layout = ParallelLayout(tensor_parallel_size=2, expert_parallel=expert_parallel)

@@ -19,8 +19,8 @@ pytest.importorskip("fw_comm_torch")
 CUDA_ONLY = '''
 import torch
 from fw.interfaces import comm
-from fw.plugins import PluginSpec
-from fw_comm_torch.communicator import TorchDistributed
+from fw.interfaces.spec import PluginSpec
+from fw.sdk.torch_distributed import TorchDistributed
 
 
 class CudaOnly(TorchDistributed):
@@ -146,7 +146,7 @@ SLOW_STAGE_S = 0.5  # how long the last stage lingers over its first micro-batch
 def _step_inputs(token_ids, num_computed, num_new):
     from itertools import accumulate
 
-    from fw.scheduler import StepInputs
+    from fw.step_inputs import StepInputs
 
     ends = list(accumulate(num_new))
     return StepInputs(
@@ -248,8 +248,8 @@ def _kv_worker(rank: int, init_method: str, path: str, queue) -> None:
     from fw.config import FwConfig
     from fw.model_registry import read_hf_config
     from fw.model_runner import ModelRunner
+    from fw.sdk.torch_distributed import TorchDistributed
     from fw.validate import check
-    from fw_comm_torch.communicator import TorchDistributed
 
     torch.set_num_threads(1)
     distributed.init_parallel(TorchDistributed, rank, ParallelLayout(tensor_parallel_size=2), init_method, "cpu")

@@ -13,7 +13,7 @@ from fw.interfaces.quant import QuantMethod
 
 SPEC_SOURCE = """
 from fw.interfaces.sampler import SamplerCapabilities, API_VERSION
-from fw.plugins import PluginSpec
+from fw.interfaces.spec import PluginSpec
 SPEC = PluginSpec(name="{name}", kind="sampler", impl="{impl}", capabilities=SamplerCapabilities(),
                   api_version={api}, description="test plugin")
 """
@@ -129,7 +129,7 @@ def test_fp8_with_flashinfer_on_cpu_lists_every_reason(plain):
     shown = {(r["kind"], r["name"]): r for r in listed()}
     for name, formats in (("fp8", ["compressed-tensors-fp8", "fp8", "none"]), ("int8", ["compressed-tensors-int8", "none"])):
         row = shown[("quant", name)]
-        assert row["status"] == "ok" and row["distribution"] == f"fw-quant-{name}"
+        assert row["status"] == "ok" and row["distribution"] == "fw-quant-fp8"  # one implementation, two specs
         assert row["capabilities"]["formats"] == formats
 
 
@@ -197,16 +197,17 @@ def test_selected_plugin_whose_implementation_fails_to_import_is_a_hard_error(fa
     import pytest
 
     from fw import plugins
+    from fw.interfaces.spec import PluginError
 
     plugins.refresh()
     request.addfinalizer(plugins.refresh)  # later tests must not see the fake plugin
-    with pytest.raises(plugins.PluginError, match=r"failed to import badimpl_missing:Sampler: ModuleNotFoundError"):
+    with pytest.raises(PluginError, match=r"failed to import badimpl_missing:Sampler: ModuleNotFoundError"):
         plugins.load_driver("sampler", "badimpl")
 
 
 SLOPPY_SPECS = """
 from fw.interfaces import attention, sampler
-from fw.plugins import PluginSpec
+from fw.interfaces.spec import PluginSpec
 
 def spec(kind, name, record, impl, api=1, **capabilities):
     return PluginSpec(name=name, kind=kind, impl=impl, capabilities=record(**capabilities), api_version=api,
@@ -216,8 +217,8 @@ TORCH = "fw_attention_torch.backend:TorchAttention"
 BF16 = spec("attention", "bf", attention.AttentionCapabilities, TORCH, dtypes=frozenset({"bf16"}))
 FEATURE = spec("attention", "feat", attention.AttentionCapabilities, TORCH, features=frozenset({"sliding"}))
 TYPO = spec("attention", "typo", attention.AttentionCapabilities, "fw_attention_torch.backnd:TorchAttention")
-OLD = spec("sampler", "old", sampler.SamplerCapabilities, "fw_sampler_default.sampler:DefaultSampler", api=0)
-FUTURE = spec("sampler", "future", sampler.SamplerCapabilities, "fw_sampler_default.sampler:DefaultSampler", api=99)
+OLD = spec("sampler", "old", sampler.SamplerCapabilities, "fw.sdk.sampler:DefaultSampler", api=0)
+FUTURE = spec("sampler", "future", sampler.SamplerCapabilities, "fw.sdk.sampler:DefaultSampler", api=99)
 """
 
 
@@ -296,7 +297,7 @@ NEIGHBOURS = """
 from pydantic import BaseModel
 from fw.interfaces import attention, model, quant
 from fw.interfaces.base import frozen
-from fw.plugins import PluginSpec
+from fw.interfaces.spec import PluginSpec
 from fw_quant_none.method import Unquantized
 
 RECORDED = []
@@ -437,9 +438,10 @@ def test_a_quant_plugin_written_for_the_previous_api_still_runs(tmp_path):
 
     from fw import model_registry
     from fw.interfaces.quant import API_VERSION, QuantCapabilities
-    from fw.model_loader import iter_safetensors, load_model
+    from fw.interfaces.spec import PluginSpec
+    from fw.model_loader import load_model
     from fw.models.base import HFConfig, ModelContext
-    from fw.plugins import PluginSpec
+    from fw.sdk.checkpoint import iter_safetensors
     from fw.testing.models import make_tiny_model
     from fw_quant_none.method import Unquantized
 

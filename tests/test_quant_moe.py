@@ -19,11 +19,13 @@ from torch import nn
 
 from fw import model_registry
 from fw.interfaces.quant import LinearMethod, LinearSpec, MoEMethod, MoESpec, QuantMethod
-from fw.layers.activation import silu_and_mul
-from fw.layers.moe import FusedMoE, run_experts
-from fw.model_loader import iter_safetensors, load_model
+from fw.layers.moe import FusedMoE
+from fw.model_loader import load_model
 from fw.models.base import HFConfig, ModelContext
 from fw.models.moe import SparseMoeBlock
+from fw.sdk.activation import silu_and_mul
+from fw.sdk.checkpoint import iter_safetensors
+from fw.sdk.moe import run_experts
 from fw.testing.models import make_tiny_model
 from fw_quant_none.method import Unquantized
 

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.testclient import TestClient
 
-from conftest import run_fw
+from conftest import run_fw, wait_until
 from fw_cli.router import Router, build_app
 
 PROMPT = {"model": "m", "prompt": "hello", "max_tokens": 5, "min_tokens": 2, "temperature": 0}
@@ -25,7 +25,7 @@ class Instance:
     """An HTTP server answering completions as ``name``; ``status`` sets its answer's status."""
 
     def __init__(self, name: str, status: int = 200) -> None:
-        self.name, self.status, self.calls = name, status, []
+        self.name, self.status, self.calls, self.health_checks = name, status, [], 0
         app = FastAPI()
 
         @app.post("/v1/completions")
@@ -41,6 +41,7 @@ class Instance:
 
         @app.get("/health")
         async def health():
+            self.health_checks += 1
             return JSONResponse({}, status_code=200 if self.status < 500 else 503)
 
         with socket.socket() as s:
@@ -111,7 +112,9 @@ def test_a_dead_instance_is_skipped_and_a_recovered_one_used_again(instances):
         # With no prefill instance answering, the decode instance computed each prompt itself.
         assert all("kv_transfer_params" not in call["body"] for call in d.calls)
         p.status = 200
-        time.sleep(0.6)  # a health check or two
+        checked = p.health_checks
+        # Two checks more: the router checks one at a time, so it has taken in the first, which saw p up.
+        wait_until(lambda: p.health_checks >= checked + 2)
         calls = len(p.calls)
         c.post("/v1/completions", json=PROMPT)
         assert len(p.calls) == calls + 1

@@ -11,10 +11,10 @@ from fw import LLM, SamplingParams
 from fw.detokenizer import IncrementalDetokenizer
 from fw.engine import EngineError
 from fw.interfaces.sampler import SamplingBatch
-from fw.sampling_params import SamplingParamsError
+from fw.sdk.sampler import DefaultSampler, apply_logit_bias_and_min_tokens, apply_penalties
+from fw.sdk.sampling_params import SamplingParamsError
+from fw.sdk.tokenizer import Tokenizer
 from fw.testing.models import make_tiny_model
-from fw.tokenizer import Tokenizer
-from fw_sampler_default.sampler import DefaultSampler, apply_logit_bias_and_min_tokens, apply_penalties
 
 # A fixed toy distribution over 6 tokens.
 PROBS = torch.tensor([0.35, 0.25, 0.15, 0.12, 0.08, 0.05])

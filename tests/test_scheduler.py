@@ -3,8 +3,8 @@
 from fw.config import FwConfig
 from fw.kv_cache import KVCacheManager
 from fw.request import Request
-from fw.sampling_params import SamplingParams
 from fw.scheduler import Scheduler
+from fw.sdk.sampling_params import SamplingParams
 
 
 def make(policy: str = "fcfs", budget: int = 32, blocks: int = 16, **scheduler) -> Scheduler:

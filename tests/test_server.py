@@ -206,9 +206,9 @@ def test_sigterm_drains_answering_503_then_exits_0(tiny):
                 while (await asyncio.to_thread(metric_values, base)).get("fw:num_requests_running") != 1:
                     await asyncio.sleep(0.05)
                 proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.3)  # uvicorn notices the signal within 0.1 s
+                while (health := await client.get(f"{base}/health")).status_code == 200:  # until uvicorn notices
+                    await asyncio.sleep(0.05)
                 turned_away = await client.post(f"{base}/v1/chat/completions", json=chat_body("late", max_tokens=2))
-                health = await client.get(f"{base}/health")
                 still_running = not task.done()
                 return await task, turned_away, health, still_running
 

@@ -203,32 +203,35 @@ def test_an_8mb_body_is_refused_before_parsing_and_the_loop_stays_free(hostile):
     # Just under the limit: refused by its length, before tokenizing; asking for truncation, tokenized off the
     # event loop (seconds of it).
     under = {"prompt": "word " * 200_000, "max_tokens": 2}
-    with health_watch(base) as worst:
-        resp = post(base, "/v1/completions", under)
-        assert resp.status_code == 400 and "cannot fit max_model_len" in resp.text
+    resp = post(base, "/v1/completions", under)
+    assert resp.status_code == 400 and "cannot fit max_model_len" in resp.text
+    with health_answers(base) as answered:
         assert post(base, "/v1/completions", {**under, "truncate_prompt_tokens": 8}).status_code == 200
-    assert worst[0] < 1.0, worst
+    assert answered[0] >= 5, answered
 
 
 @contextlib.contextmanager
-def health_watch(base: str):
-    """The worst /health latency seen while the body runs."""
-    worst, stop = [0.0], threading.Event()
+def health_answers(base: str):
+    """How many /health requests, sent one after another, the server answered while the body ran. An event loop
+    blocked by the body's request answers at most the one request then waiting, and only once it is free again:
+    after the blocking request's own response, which its handler writes before the loop reads anything else."""
+    answered, stop = [0], threading.Event()
 
     def watch():
-        while not stop.is_set():
-            start = time.monotonic()
-            httpx.get(f"{base}/health", timeout=30)
-            worst[0] = max(worst[0], time.monotonic() - start)
-            time.sleep(0.05)
+        with httpx.Client(timeout=60) as client:
+            while not stop.is_set():
+                client.get(f"{base}/health")
+                if not stop.is_set():
+                    answered[0] += 1
+                time.sleep(0.01)
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     try:
-        yield worst
+        yield answered
     finally:
         stop.set()
-        thread.join(30)
+        thread.join(60)
 
 
 def test_fw_serve_builds_its_engine_on_the_engine_thread(tiny, monkeypatch):
@@ -278,7 +281,7 @@ def test_a_failing_step_fails_only_the_requests_it_is_pinned_on(tiny):
     forward pass, whenever a poisoned prompt is in the batch) fails the step's newest admissions and the step
     runs again; only if that fails too is everything aborted, with the error, and nothing hangs."""
     from fw import LLM, SamplingParams, TokensPrompt
-    from fw.async_engine import AsyncEngine
+    from fw.engine.async_engine import AsyncEngine
 
     poison = [11, 13, 17, 19, 23, 29]
     llm = LLM(tiny, num_kv_blocks=64, max_model_len=128)
@@ -351,11 +354,12 @@ def test_a_failing_step_fails_only_the_requests_it_is_pinned_on(tiny):
 )
 def test_a_request_template_is_bounded_in_time_memory_and_output(hostile, template, message):
     base, _ = hostile
-    with victims(base), health_watch(base) as worst:
+    with victims(base), health_answers(base) as answered:
         resp = post(base, "/v1/chat/completions", chat(chat_template=template))
     assert resp.status_code == 400 and message in resp.json()["error"]["message"], resp.text
     assert resp.json()["error"]["param"] == "chat_template"
-    assert worst[0] < 1.0, worst  # rendering runs in a worker process, not on the event loop
+    if template == LOOPS:  # rendered to its 2 s limit in a worker process, while the event loop answers on
+        assert answered[0] >= 5, answered
 
 
 def test_no_server_file_is_readable_through_any_field(hostile, tmp_path):
@@ -389,7 +393,7 @@ def test_no_server_file_is_readable_through_any_field(hostile, tmp_path):
 
 
 def test_the_template_cache_is_bounded():
-    from fw.chat import TEMPLATE_CACHE_SIZE, _compile, render_chat
+    from fw.sdk.chat import TEMPLATE_CACHE_SIZE, _compile, render_chat
 
     for i in range(TEMPLATE_CACHE_SIZE * 3):
         render_chat(f"{{{{ messages[0].content }}}} {i}", [{"role": "user", "content": "hi"}])
@@ -400,29 +404,33 @@ def test_the_template_cache_is_bounded():
 
 
 def _compile_workers(proc) -> list[psutil.Process]:
-    return [p for p in psutil.Process(proc.pid).children() if "fw.workers" in p.cmdline() and
+    return [p for p in psutil.Process(proc.pid).children() if "fw.sdk.workers" in p.cmdline() and
             "4294967296" in p.cmdline()]
 
 
 def test_a_slow_compile_is_a_400_at_its_time_limit_and_killed_when_its_client_goes(hostile):
     base, proc = hostile
     with victims(base):
-        start = time.monotonic()
         resp = post(base, "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "guided_regex": SLOW_REGEX})
     assert resp.status_code == 400 and f"longer than {COMPILE_TIMEOUT_S} s" in resp.json()["error"]["message"]
-    assert time.monotonic() - start < COMPILE_TIMEOUT_S + 5
+    assert not _compile_workers(proc)  # its worker was killed at the limit, before the answer: not left compiling
     # A client that goes away takes its compilation with it: the worker is killed, the next constraint compiles.
-    def abandon():
-        with contextlib.suppress(httpx.ReadTimeout):
-            post(base, "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "guided_regex": SLOW_REGEX + "a"},
-                 timeout=1.0)
+    async def abandon() -> psutil.Process:
+        async with httpx.AsyncClient(timeout=60) as client:
+            task = asyncio.create_task(client.post(f"{base}/v1/completions", json={
+                "prompt": "Hi", "max_tokens": 4, "guided_regex": SLOW_REGEX + "a"}))
+            deadline = time.monotonic() + 60
+            while not _compile_workers(proc):  # none until this compile starts one (the last was killed)
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            (busy,) = _compile_workers(proc)
+            task.cancel()  # the connection closes
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return busy
 
-    abandoned = threading.Thread(target=abandon)
-    abandoned.start()
-    time.sleep(0.6)
-    (busy,) = _compile_workers(proc)
-    abandoned.join()
-    busy.wait(2)  # killed, not left to its time limit (about 3 s away): psutil.TimeoutExpired otherwise
+    busy = asyncio.run(abandon())
+    busy.wait(2)  # killed, not left to its time limit (about 4 s away): psutil.TimeoutExpired otherwise
     choice = post(base, "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "guided_choice": ["yes", "no"]})
     assert choice.status_code == 200 and choice.json()["choices"][0]["text"] in ("yes", "no")
 
@@ -430,7 +438,9 @@ def test_a_slow_compile_is_a_400_at_its_time_limit_and_killed_when_its_client_go
 # --- 4, 8, 10: cancellation, admission control, slow readers -------------------------------------------------------
 
 
-def test_a_disconnected_non_streaming_n16_request_frees_its_sequences_within_1s(queue_server):
+def test_a_disconnected_non_streaming_n16_request_frees_its_sequences_unfinished(queue_server):
+    """Its 16 choices of 2000 tokens are aborted and freed, early: had they kept running, the 4 in the batch would
+    fill most of the cache (4 x 126 of its 600 blocks) before any was freed."""
     base, _ = queue_server
 
     async def abandon():
@@ -444,14 +454,14 @@ def test_a_disconnected_non_streaming_n16_request_frees_its_sequences_within_1s(
             task.cancel()  # the connection closes
             with pytest.raises(asyncio.CancelledError):
                 await task
-            return time.monotonic()
 
-    gone = asyncio.run(abandon())
+    asyncio.run(abandon())
+    deadline = time.monotonic() + 300  # a safety net: the cache check below fails first if the choices run on
     while True:
         now = metric_values(base)
         if now["fw:num_requests_running"] == now["fw:num_requests_waiting"] == now["fw:kv_cache_usage_perc"] == 0:
             break
-        assert time.monotonic() - gone < 1.0, now
+        assert now["fw:kv_cache_usage_perc"] < 0.5 and time.monotonic() < deadline, now
         time.sleep(0.05)
 
 

@@ -9,11 +9,11 @@ import pytest
 from tqdm import tqdm
 
 from fw import LLM, SamplingParams, TextPrompt, TokensPrompt
-from fw.chat import ChatTemplateError
 from fw.engine import EngineError
 from fw.logits_processors import bad_words_token_ids
 from fw.outputs import Logprob, RequestMetrics
-from fw.sampling_params import SamplingParamsError
+from fw.sdk.chat import ChatTemplateError
+from fw.sdk.sampling_params import SamplingParamsError
 from fw.testing.models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

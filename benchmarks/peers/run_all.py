@@ -79,7 +79,7 @@ def cpu() -> dict:
         name, _, value = (part.strip() for part in line.partition(":"))
         if name in ("model name", "cpu family", "model", "flags") and name not in info:
             info[name] = value
-    from fw.kernels import relevant_flags  # the flags fw's kernel choice depends on
+    from fw.sdk.kernels import relevant_flags  # the flags fw's kernel choice depends on
 
     return {"model_name": info.get("model name", ""), "family": info.get("cpu family", ""),
             "model": info.get("model", ""), "flags": relevant_flags(" ".join(sorted(info.get("flags", "").split()))),

@@ -1,10 +1,10 @@
 """Turn one checkpoint made by reference.py into a small test fixture (run with fw's venv):
 
-    python benchmarks/quant_refs/fixture.py /tmp/quant_refs/llama-gptq-w4-g32-asym-descact tests/data/quant_refs/
+    python benchmarks/quant_refs/fixture.py /tmp/quant_refs/llama-gptq-w4-g32-asym-descact plugins/quant/gptq/tests/data/quant_refs/
 
 keeps the checkpoint files and, of reference.safetensors, the prompts, log-probabilities and greedy tokens; each
 dequantized weight becomes its SHA-256 (of the float32 bytes) in the metadata key ``weight_sha256``, which
-tests/test_quant_int.py compares with fw's decoded weights."""
+plugins/quant/gptq/tests/test_quant_int.py compares with fw's decoded weights."""
 
 from __future__ import annotations
 

@@ -6,11 +6,15 @@ import json
 import random
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 import click
 
 from fw.config import ResolvedConfig
 from fw_cli.options import config_options
+
+if TYPE_CHECKING:
+    from fw.engine.client import SyncEngineClient
 
 # Output tokens of the throughput warm-up batch: enough to reach batched decode.
 _WARMUP_TOKENS = 8
@@ -23,7 +27,7 @@ def bench() -> None:
 
 def _engine(resolved: ResolvedConfig):
     from fw.engine import EngineError, LLMEngine
-    from fw.model_loader import ModelLoadError
+    from fw.sdk.errors import ModelLoadError
 
     try:
         return LLMEngine(resolved.config)
@@ -31,9 +35,9 @@ def _engine(resolved: ResolvedConfig):
         raise click.ClickException(str(exc)) from None
 
 
-def _random_prompts(engine, n: int, length: int, seed: int) -> list[list[int]]:
+def _random_prompts(engine: SyncEngineClient, n: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    vocab = engine.executor.runner.hf_config.vocab_size
+    vocab = engine.view.vocab_size
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
 
@@ -42,8 +46,8 @@ def _median_spread(name: str, values: list[float]) -> dict[str, float]:
 
 
 def _machine() -> dict:
-    """The CPU the numbers belong to and the kernels fw chose on it (``fw.kernels``)."""
-    from fw import kernels
+    """The CPU the numbers belong to and the kernels fw chose on it (``fw.sdk.kernels``)."""
+    from fw.sdk import kernels
 
     info = kernels.machine()
     return {"cpu": info["cpu"], "cpu_flags": kernels.relevant_flags(info["flags"]), "threads": info["threads"],
@@ -77,7 +81,7 @@ def _report(result: dict, as_json: bool, engine_here: bool = True) -> None:
 def throughput(resolved: ResolvedConfig, num_prompts: int, input_len: int, output_len: int, num_iters: int,
                as_json: bool) -> None:
     """N random-token requests at once, EOS ignored: requests/s and tokens/s."""
-    from fw.sampling_params import SamplingParams
+    from fw.sdk.sampling_params import SamplingParams
 
     engine = _engine(resolved)
     # Fresh prompts for every batch, so the prefix cache does not flatter the repeats.
@@ -133,7 +137,7 @@ def throughput(resolved: ResolvedConfig, num_prompts: int, input_len: int, outpu
 @config_options()
 def latency(resolved: ResolvedConfig, input_len: int, output_len: int, num_iters: int, as_json: bool) -> None:
     """One request at a time: time to first token and time per output token (medians over iterations)."""
-    from fw.sampling_params import SamplingParams
+    from fw.sdk.sampling_params import SamplingParams
 
     engine = _engine(resolved)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)

@@ -11,6 +11,7 @@ import click
 
 from fw import __version__, plugins
 from fw.config import ResolvedConfig, show
+from fw.interfaces.spec import KIND_ALIASES, PluginError, PluginSpec, canonical_kind
 from fw_cli.bench import bench
 from fw_cli.options import config_options
 
@@ -31,7 +32,7 @@ def plugins_group() -> None:
     """List, inspect and check plugins."""
 
 
-def _caps_summary(spec: plugins.PluginSpec) -> str:
+def _caps_summary(spec: PluginSpec) -> str:
     described = spec.capabilities.describe()
     parts = []
     for key, value in described.items():
@@ -43,7 +44,7 @@ def _caps_summary(spec: plugins.PluginSpec) -> str:
 
 
 def _all_discovered(kind: str | None) -> list[plugins.Discovered]:
-    kinds = [plugins.canonical_kind(kind)] if kind else [*plugins.KINDS, "hooks"]
+    kinds = [canonical_kind(kind)] if kind else [*plugins.KINDS, "hooks"]
     out: list[plugins.Discovered] = []
     for k in kinds:
         out.extend(plugins.discover_hooks() if k == "hooks" else plugins.discover(k))
@@ -72,7 +73,7 @@ def _option_rows(model: type) -> list[dict[str, object]]:
     return rows
 
 
-KIND_CHOICE = click.Choice([*plugins.KINDS, "hooks", *plugins.KIND_ALIASES])
+KIND_CHOICE = click.Choice([*plugins.KINDS, "hooks", *KIND_ALIASES])
 
 
 @plugins_group.command("list")
@@ -204,12 +205,12 @@ def config_show(resolved: ResolvedConfig) -> None:
 def generate(resolved: ResolvedConfig, prompts, max_tokens, temperature, top_p, top_k, ignore_eos) -> None:
     """Generate completions offline and print them."""
     from fw.engine import EngineError, LLMEngine
-    from fw.model_registry import ModelError
-    from fw.sampling_params import SamplingParams
+    from fw.sdk.errors import ModelError
+    from fw.sdk.sampling_params import SamplingParams
 
     try:
         engine = LLMEngine(resolved.config)
-    except (EngineError, ModelError, plugins.PluginError) as exc:
+    except (EngineError, ModelError, PluginError) as exc:
         raise click.ClickException(str(exc)) from None
     params = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, ignore_eos=ignore_eos
@@ -239,25 +240,25 @@ def serve(resolved: ResolvedConfig) -> None:
 
     MODEL is the model path, as --model (vLLM's `vllm serve MODEL`).
     """
-    from fw.async_engine import AsyncEngine
     from fw.data_parallel import DataParallelEngine
     from fw.engine import EngineError, LLMEngine
+    from fw.engine.async_engine import AsyncEngine
     from fw.generation_config import sampling_defaults
-    from fw.model_loader import ModelLoadError
+    from fw.sdk.errors import ModelLoadError
     from fw_cli.server.app import Server, run
 
     config = resolved.config
     replicas = config.parallel.data_parallel_size
     try:
         engine = DataParallelEngine(config) if replicas > 1 else AsyncEngine(lambda: LLMEngine(config))
-    except (EngineError, ModelLoadError, plugins.PluginError) as exc:
+    except (EngineError, ModelLoadError, PluginError) as exc:
         raise click.ClickException(str(exc)) from None
     model = config.model.model
     name = config.server.served_model_name or (Path(model).stem if Path(model).is_file() else model)
     defaults = sampling_defaults(config.model)
     server = Server(engine, name, config.server, defaults)
     host, port = config.server.host, config.server.port
-    click.echo(f"fw serve: model {name!r} ({model}), max_model_len {engine.engine.max_model_len}"
+    click.echo(f"fw serve: model {name!r} ({model}), max_model_len {engine.view.max_model_len}"
                + (f", {replicas} data-parallel replicas" if replicas > 1 else ""), err=True)
     if defaults:
         click.echo(f"fw serve: sampling defaults from the model's generation config: {defaults} "

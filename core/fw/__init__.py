@@ -6,14 +6,14 @@
 
 from typing import TYPE_CHECKING
 
-from fw.hookspecs import hookimpl
 from fw.inputs import TextPrompt, TokensPrompt
+from fw.interfaces.hooks import hookimpl
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from fw.llm import LLM
-    from fw.sampling_params import SamplingParams
+    from fw.sdk.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):
@@ -22,7 +22,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from fw.sampling_params import SamplingParams
+        from fw.sdk.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'fw' has no attribute {name!r}")

@@ -44,7 +44,8 @@ from pydantic_settings import (
 )
 
 from fw.interfaces.attention import KVCacheDtype
-from fw.plugins import canonical_kind
+from fw.interfaces.hooks import CliOption
+from fw.interfaces.spec import canonical_kind
 
 ENV_PREFIX = "FW_"
 
@@ -261,18 +262,6 @@ FLAG_ALIASES = {
 # Environment variables outside the FW_SECTION__FIELD scheme, spelt as vLLM's (VLLM_PP_LAYER_PARTITION); the
 # FW_SECTION__FIELD one wins where both are set.
 ENV_ALIASES = {"FW_PP_LAYER_PARTITION": "parallel.pp_layer_partition"}
-
-
-@dataclass(frozen=True)
-class CliOption:
-    """A command-line flag that sets one configuration path."""
-
-    flag: str  # "--max-num-seqs"
-    path: str  # "scheduler.max_num_seqs"
-    help: str = ""
-    is_flag: bool = False  # boolean: --x / --no-x
-    choices: tuple[str, ...] | None = None
-    aliases: tuple[str, ...] = ()
 
 
 def _hook():

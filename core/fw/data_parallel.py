@@ -1,8 +1,8 @@
 """Data parallelism behind one server: ``fw serve -dp N`` runs N engine replicas, each in its own process with
 its own scheduler and KV cache, and routes every request to one of them.
 
-The server talks to a ``DataParallelEngine`` as it talks to one ``AsyncEngine`` (``generate_many``,
-``shutdown``). Each replica process runs an ``AsyncEngine`` over its own ``LLMEngine`` (on a GPU machine, device
+The server talks to a ``DataParallelEngine`` as it talks to one ``AsyncEngine``: both are ``EngineClient``s
+(fw.engine.client). Each replica process runs an ``AsyncEngine`` over its own ``LLMEngine`` (on a GPU machine, device
 ``cuda:<replica>``), so a request that fails a step fails there exactly as with one engine; the front forwards
 requests, outputs and aborts over a pipe per replica.
 
@@ -14,7 +14,7 @@ shows them per replica (label ``engine``, as vLLM does), with the requests route
 
 With ``--enable-expert-parallel`` the replicas are one torch.distributed world whose expert-parallel group spans
 them all, as vLLM's does: each holds its share of every MoE layer's experts, and each forward pass's dispatch and
-combine are collectives over every replica. So the replicas step in lockstep (``LockstepEngine``): in rounds, each
+combine are collectives over every replica. So the replicas step in lockstep (fw.engine.lockstep): in rounds, each
 opened by a small all-reduce on the control plane that says whether anyone runs a forward pass now; a replica
 without one then runs a dummy step: each MoE layer's dispatch and combine with no tokens of its own, its experts
 computing the tokens the others send them (no attention, no KV-cache writes, no output). When no replica has work
@@ -31,25 +31,26 @@ import contextlib
 import itertools
 import logging
 import multiprocessing as mp
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from fw import distributed, plugins
-from fw.async_engine import AsyncEngine, Outbox
 from fw.config import FwConfig, config_class, picklable
-from fw.engine import EngineError, LLMEngine
+from fw.engine.async_engine import AsyncEngine, Outbox
+from fw.engine.client import EngineError, EngineStats, ReplicaStats, Submission
+from fw.engine.core import LLMEngine
+from fw.engine.lockstep import LockstepEngine
 from fw.inputs import PromptType
-from fw.kv_cache import block_hash_chain
-from fw.layers.moe import FusedMoE
+from fw.interfaces.hooks import EngineView
 from fw.outputs import RequestOutput
 from fw.platform import detect
-from fw.sampling_params import SamplingParams
+from fw.sdk.block_hash import block_hash_chain
 
 log = logging.getLogger("fw")
 
@@ -59,33 +60,14 @@ STATS_INTERVAL_S = 0.5
 START_TIMEOUT_S = 600.0
 
 
-@dataclass
-class ReplicaStats:
-    """What a replica reports of itself."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    rounds: int = 0  # lockstep rounds run (expert parallelism only)
-    dummy_steps: int = 0  # of those, forward passes of other replicas this one joined without a batch
-
-
-def _snapshot(engine: LLMEngine) -> ReplicaStats:
-    sched, kv = engine.scheduler, engine.kv
-    return ReplicaStats(len(sched.running), len(sched.waiting) + len(sched.waiting_for_kv), kv.usage(),
-                        kv.prefix_cache_queries, kv.prefix_cache_hits)
-
-
 # --- the replica process ----------------------------------------------------------------------------------------
 
 
 def _join_replicas(config: FwConfig, rank: int, init_method: str) -> type:
     """Join the replicas' world (expert parallelism): its data- and expert-parallel groups span every replica."""
-    spec, comm_cls = plugins.load_driver("comm", config.comm.name)
+    comm_cls, options = plugins.load_driver("comm", config.comm.name, config.comm.options)
     layout = distributed.ParallelLayout(data_parallel_size=config.parallel.data_parallel_size, expert_parallel=True)
-    device, options = detect(config.model.device).device, spec.parse_options(config.comm.options)
+    device = detect(config.model.device).device
     distributed.init_parallel(comm_cls, rank, layout, init_method, device, options, config.parallel.distributed_timeout)
     return comm_cls
 
@@ -102,104 +84,12 @@ def _replica_main(rank: int, config_data: dict, conn: Any, init_method: str | No
     except Exception as exc:  # noqa: BLE001 - reported to the front, which fails the start with it
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", engine.tokenizer, engine.vocab_size, engine.max_model_len))
+    view = engine.view
+    conn.send(("ready", view.tokenizer, view.vocab_size, view.max_model_len, dict(view.selected),
+               view.sampler_features))
     asyncio.run(_serve(LockstepEngine(engine, tasks) if comm_cls else AsyncEngine(engine), conn, tasks))
     if comm_cls:
         distributed.destroy_parallel(comm_cls)
-
-
-IDLE, WORK, FORWARD = 0, 1, 2  # a replica in a round: no requests; requests, but no batch now; a forward pass now
-
-
-class LockstepEngine(AsyncEngine):
-    """A replica whose forward passes need every replica (module doc): it steps in rounds with the others.
-
-    A round opens with an all-reduce of each replica's state, the newest request it has heard of and whether it
-    stays. Every forward pass of its own opens one (FORWARD); when the engine thread steps without one (no requests,
-    or none it can schedule now) it opens one all the same, and if another replica runs a forward pass in it, this
-    one runs the MoE layers' collectives with no tokens (a dummy step).
-    """
-
-    def __init__(self, engine: LLMEngine, calls: dict) -> None:
-        self.calls = calls  # the front's calls this replica runs: work before their requests reach the engine
-        self.heard = self.agreed = 0  # the newest request heard of; the newest all had heard of when all were idle
-        self.wave = self.leaving = False  # the last round said to go on; this replica is shutting down
-        self.left = threading.Event()  # every replica is shutting down: no more rounds
-        self.rounds = self.dummy_steps = 0
-        runner = engine.executor.runner
-        self._moe = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]  # in the order a forward runs them
-        self._dtype, self._device = runner.dtype, runner.device
-        self._timeout = engine.config.parallel.distributed_timeout
-        forward = engine.executor.execute
-
-        def execute(inputs):
-            self._round(forward=True)
-            return forward(inputs)
-
-        engine.executor.execute = execute  # each forward pass of this replica's opens a round
-        super().__init__(engine)
-
-    def hear(self, number: int) -> None:
-        """The front sent the request ``number`` to some replica (to this one before telling it)."""
-        self.heard = number
-        self._call(lambda: None)  # wakes the engine thread if it waits for a command
-
-    def _has_work(self) -> bool:
-        return bool(self.calls) or super()._busy()
-
-    def _busy(self) -> bool:
-        return not self.left.is_set() and (self.wave or self.leaving or self.heard > self.agreed or self._has_work())
-
-    def _step(self) -> list[RequestOutput]:
-        if not self._busy():  # the wait for a command timed out
-            return []
-        rounds = self.rounds
-        outputs = super()._step()
-        if self.rounds == rounds:  # no forward pass of its own: a round all the same
-            self._round(forward=False)
-        return outputs
-
-    def _round(self, forward: bool) -> None:
-        # Read before the work it covers: the front's call to this replica is in ``calls`` before it is heard of.
-        heard = self.heard
-        state = FORWARD if forward else WORK if self._has_work() else IDLE
-        try:
-            top, newest, oldest, staying = distributed.get_control_plane().max(
-                [state, heard, -heard, int(not self.leaving)]
-            )
-            if top == FORWARD and not forward:
-                self._dummy_step()
-        except RuntimeError:  # a replica is gone or failed mid-step: the others cannot step without it
-            log.exception("data-parallel replica: a lockstep round failed; exiting")
-            os._exit(1)
-        self.rounds += 1
-        # Rounds stop once no replica has work and all have heard of the same requests: any later request is then
-        # news to every replica, so each opens the next round.
-        self.wave = top != IDLE or newest != -oldest
-        if not self.wave:
-            self.agreed = newest
-        if not staying:
-            self.left.set()
-
-    @torch.inference_mode()
-    def _dummy_step(self) -> None:
-        """Another replica's forward pass, joined without tokens: each MoE layer's dispatch and combine, in the
-        forward pass's order, this replica's experts computing the tokens sent to them."""
-        self.dummy_steps += 1
-        for layer in self._moe:
-            hidden = torch.empty(0, layer.spec.hidden_size, dtype=self._dtype, device=self._device)
-            weights = torch.empty(0, layer.top_k, device=self._device)
-            layer.run(hidden, weights, weights.long())
-
-    def shutdown(self) -> None:
-        def leave() -> None:
-            self._abort_all()
-            self.leaving = True
-
-        self._call(leave)
-        # The replicas leave in one round: one that stopped stepping would hold the others' next round forever.
-        self.left.wait(self._timeout)
-        super().shutdown()
 
 
 async def _serve(engine: AsyncEngine, conn: Any, tasks: dict[int, asyncio.Task]) -> None:
@@ -227,10 +117,9 @@ async def _serve(engine: AsyncEngine, conn: Any, tasks: dict[int, asyncio.Task])
 
     async def report() -> None:
         while True:
-            stats = await engine.run(_snapshot)
-            if isinstance(engine, LockstepEngine):
-                stats.rounds, stats.dummy_steps = engine.rounds, engine.dummy_steps
-            conn.send(("stats", stats))
+            lockstep = {"rounds": engine.rounds, "dummy_steps": engine.dummy_steps} \
+                if isinstance(engine, LockstepEngine) else {}
+            conn.send(("stats", ReplicaStats(**vars(engine.stats()), **lockstep)))
             await asyncio.sleep(STATS_INTERVAL_S)
 
     reporter = asyncio.create_task(report())
@@ -293,21 +182,9 @@ def prompt_block_hashes(prompt: PromptType, block_size: int) -> list[int]:
     return block_hash_chain(ids[: len(ids) // block_size * block_size], block_size, (salt,) if salt else ())
 
 
-class FrontInfo:
-    """What the server reads of "the engine": the replicas' tokenizer and limits, and whether any works."""
-
-    def __init__(self, front: DataParallelEngine, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:
-        self.front, self.tokenizer, self.vocab_size, self.max_model_len = front, tokenizer, vocab_size, max_model_len
-
-    @property
-    def replicas(self) -> list[Replica]:
-        return self.front.replicas
-
-    def has_unfinished_requests(self) -> bool:
-        return any(r.in_flight for r in self.front.replicas)
-
-
 class DataParallelEngine:
+    """An ``EngineClient`` over N replicas: each call runs on one, chosen by cached prefix and load."""
+
     def __init__(self, config: FwConfig) -> None:
         n = config.parallel.data_parallel_size
         data = picklable(config)
@@ -333,7 +210,9 @@ class DataParallelEngine:
                 self.shutdown()
                 raise EngineError(f"data-parallel replica {replica.rank} did not start: {message[1]}")
             ready.append(message)
-        self.engine = FrontInfo(self, *ready[0][1:])
+        tokenizer, vocab_size, max_model_len, selected, sampler_features = ready[0][1:]
+        self.view = EngineView(config, tokenizer, vocab_size, max_model_len, MappingProxyType(selected),
+                               sampler_features)
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, Outbox]] = {}
         self._keys = itertools.count()
         self._numbers = itertools.count(1)  # lockstep: the requests every replica hears of, in order
@@ -372,9 +251,7 @@ class DataParallelEngine:
         matched, warm = max(((r.matched(hashes), r) for r in alive), key=lambda m: (m[0], -m[1].in_flight))
         return warm if matched and warm.in_flight <= least.in_flight + BALANCE else least
 
-    async def generate_many(
-        self, requests: Sequence[tuple[PromptType, SamplingParams, str, int]]
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def generate_many(self, requests: Sequence[Submission]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """As ``AsyncEngine.generate_many``, on one replica: all of a call's requests share their prompts' fate."""
         hashes = prompt_block_hashes(requests[0][0], self.block_size) if requests else []
         replica = self.pick(hashes)
@@ -403,6 +280,22 @@ class DataParallelEngine:
             replica.in_flight -= 1
             if pending and replica.alive:
                 replica.send(("abort", key))
+
+    def stats(self) -> EngineStats:
+        """Each replica's stats as it last reported them (every ``STATS_INTERVAL_S``): by rank, and summed (the
+        KV-cache usage averaged)."""
+        replicas = tuple(replace(r.stats, rank=r.rank, routed=r.routed) for r in self.replicas)
+        return EngineStats(
+            running=sum(r.running for r in replicas),
+            waiting=sum(r.waiting for r in replicas),
+            kv_cache_usage=sum(r.kv_cache_usage for r in replicas) / len(replicas),
+            prefix_cache_queries=sum(r.prefix_cache_queries for r in replicas),
+            prefix_cache_hits=sum(r.prefix_cache_hits for r in replicas),
+            replicas=replicas,
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.in_flight for r in self.replicas)
 
     def _tell_all(self) -> None:
         """Lockstep: every replica hears of the call just sent, each in the same order (module doc)."""

@@ -14,7 +14,7 @@ a stop string, so a stream never shows a partial stop string.
 
 from __future__ import annotations
 
-from fw.tokenizer import Tokenizer
+from fw.sdk.tokenizer import Tokenizer
 
 # Prompt tokens used as left context for the first output tokens.
 CONTEXT_TOKENS = 5

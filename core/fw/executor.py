@@ -22,7 +22,7 @@ from fw import distributed, plugins
 from fw.config import FwConfig, config_class, picklable
 from fw.interfaces.comm import Communicator
 from fw.model_runner import ModelRunner
-from fw.scheduler import StepInputs
+from fw.step_inputs import StepInputs
 from fw.validate import CheckResult, check
 
 
@@ -34,9 +34,9 @@ def layout(config: FwConfig) -> distributed.ParallelLayout:
 
 
 def _join(config: FwConfig, rank: int, init_method: str, device: str) -> type[Communicator]:
-    spec, comm_cls = plugins.load_driver("comm", config.comm.name)
+    comm_cls, options = plugins.load_driver("comm", config.comm.name, config.comm.options)
     distributed.init_parallel(
-        comm_cls, rank, layout(config), init_method, device, spec.parse_options(config.comm.options),
+        comm_cls, rank, layout(config), init_method, device, options,
         config.parallel.distributed_timeout, config.parallel.pp_layer_partition,
     )
     return comm_cls

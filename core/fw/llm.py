@@ -1,4 +1,7 @@
-"""Offline inference with vLLM's names: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+"""Offline inference with vLLM's names: ``LLM(model=...).generate(prompts, SamplingParams(...))``.
+
+``LLM`` steps its engine itself, through the engine's synchronous face (``SyncEngineClient``, fw.engine.client).
+"""
 
 from __future__ import annotations
 
@@ -8,15 +11,17 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from fw.chat import apply_chat_template
 from fw.config import SLOTS, cli_options, load_config
-from fw.engine import LLMEngine
+from fw.engine.beam_search import beam_search
+from fw.engine.client import SyncEngineClient
+from fw.engine.core import LLMEngine
 from fw.generation_config import sampling_defaults
 from fw.inputs import PromptType, TokensPrompt, parse_prompts
-from fw.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from fw.plugins import canonical_kind
-from fw.sampling_params import BeamSearchParams, SamplingParams
-from fw.tokenizer import Tokenizer
+from fw.interfaces.spec import canonical_kind
+from fw.outputs import BeamSearchOutput, RequestOutput
+from fw.sdk.chat import apply_chat_template
+from fw.sdk.sampling_params import BeamSearchParams, SamplingParams
+from fw.sdk.tokenizer import Tokenizer
 
 
 def _config_paths() -> dict[str, str]:
@@ -65,15 +70,15 @@ class LLM:
             cli.setdefault(slot, {})["options"] = dict(options)
             sources.update({f"{slot}.options.{name}": "LLM(plugin_options=...)" for name in options})
         resolved = load_config(config_files, cli, sources)
-        self.llm_engine = LLMEngine(resolved.config)
+        self.llm_engine: SyncEngineClient = LLMEngine(resolved.config)
 
     def get_tokenizer(self) -> Tokenizer:
-        return self.llm_engine.tokenizer
+        return self.llm_engine.view.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` samples with when given no params: the model's generation_config.json defaults
         (per ``generation_config``), as vLLM's LLM does."""
-        return SamplingParams(**sampling_defaults(self.llm_engine.config.model))
+        return SamplingParams(**sampling_defaults(self.llm_engine.view.config.model))
 
     def generate(
         self,
@@ -149,7 +154,7 @@ class LLM:
         if mm_processor_kwargs:
             raise ValueError("mm_processor_kwargs: fw serves text-only models")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.llm_engine.tokenizer
+        tokenizer = self.llm_engine.view.tokenizer
         options = {
             "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message,
@@ -162,35 +167,13 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """Beam search, for a sampler plugin with the "beam" feature (``sampler="beam"``)."""
-        engine = self.llm_engine
-        if "beam" not in engine.sampler_features:
-            raise ValueError(
-                f"beam search needs a sampler with the 'beam' feature (e.g. sampler='beam'); "
-                f"the selected sampler is {engine.selected['sampler']!r}"
-            )
-        token_ids = [engine.prompt_token_ids(p) for p in parse_prompts(prompts)]
-        results = engine.sampler.beam_search(engine, token_ids, params)
-        return [
-            BeamSearchOutput(
-                [
-                    BeamSearchSequence(
-                        beam.tokens,
-                        engine.tokenizer.decode(beam.tokens),
-                        beam.logprob,
-                        beam.score(params.length_penalty),
-                        "stop" if beam.finished else "length",
-                    )
-                    for beam in beams
-                ]
-            )
-            for beams in results
-        ]
+        """Beam search (fw.engine.beam_search), for a sampler plugin with the "beam" feature (``sampler="beam"``)."""
+        return beam_search(self.llm_engine, prompts, params)
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
 
     def __del__(self) -> None:
         engine = getattr(self, "llm_engine", None)
-        if engine is not None and engine.executor.comm_cls is not None:
+        if engine is not None and engine.runs_workers:
             engine.shutdown()

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from fw.tokenizer import Tokenizer
+from fw.sdk.tokenizer import Tokenizer
 
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 

@@ -1,76 +1,45 @@
-"""Reading safetensors checkpoints and building a loaded model.
+"""Building a loaded model from a checkpoint, and the core's own checkpoint format (``DirectoryFormat``).
 
-Checkpoints are streamed shard by shard, tensor by tensor, so a model larger
-than host memory's spare room still loads: at most one tensor is
-materialised beyond the model's own parameters.
+A checkpoint's format (``fw.interfaces.checkpoint_format``) reads its config and weights; the model's layers
+load the weights through the quant method the config names.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from fw import model_registry
+from fw.interfaces.checkpoint_format import CheckpointFormat
+from fw.sdk.checkpoint import iter_safetensors
+from fw.sdk.errors import MissingWeightsError, ModelLoadError
 
 if TYPE_CHECKING:
     from torch import nn
 
     from fw.models.base import HFConfig, ModelContext
 
-SAFETENSORS = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 logger = logging.getLogger(__name__)
 
 
-class ModelLoadError(RuntimeError):
-    """A checkpoint could not be turned into a model; the message says what is wrong."""
+class DirectoryFormat(CheckpointFormat):
+    """A model directory: config.json, safetensors files (one, or shards an index names) and tokenizer.json, the
+    last read by the engine (``--tokenizer`` may name another directory). Quantized checkpoints of this form (GPTQ,
+    AWQ, compressed-tensors, FP8) name their quant format in config.json's ``quantization_config``."""
 
+    def config(self, model_path: str) -> dict[str, Any]:
+        return model_registry.read_hf_config(model_path)
 
-class CheckpointNotFoundError(ModelLoadError, FileNotFoundError):
-    """A checkpoint file (or a shard its index names) is missing."""
-
-
-class MissingWeightsError(ModelLoadError):
-    """The checkpoint left some of the model's parameters unloaded."""
-
-    def __init__(self, names: list[str]) -> None:
-        super().__init__(f"the checkpoint has no weights for {len(names)} parameter(s): {', '.join(names)}")
-        self.names = names
-
-
-def checkpoint_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint, in index order; every one is checked to exist."""
-    model_dir = Path(model_dir)
-    index = model_dir / SAFETENSORS_INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointNotFoundError(f"{index} names shard(s) missing from {model_dir}: {', '.join(missing)}")
-        return files
-    single = model_dir / SAFETENSORS
-    if single.is_file():
-        return [single]
-    raise CheckpointNotFoundError(f"no {SAFETENSORS} or {SAFETENSORS_INDEX} in {model_dir}")
-
-
-def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the checkpoint, opening one shard at a time."""
-    from safetensors import safe_open
-
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                yield name, f.get_tensor(name)
+    def weights(self, model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter_safetensors(model_path)
 
 
 def resolve_dtype(config: HFConfig, override: str | torch.dtype | None = None) -> torch.dtype:

@@ -11,19 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from fw import plugins
+from fw.interfaces.spec import PluginSpec
+from fw.sdk.errors import ModelError
 
 
-class ModelError(RuntimeError):
-    """The model cannot be used; the message names the problem."""
-
-
-def read_hf_config(model_path: str) -> dict[str, Any] | None:
-    """config.json of a model directory; None for a single-file checkpoint (GGUF), which its quant plugin reads."""
+def read_hf_config(model_path: str) -> dict[str, Any]:
+    """config.json of a model directory."""
     path = Path(model_path)
     if not path.exists():
         raise ModelError(f"model path {model_path} does not exist")
-    if path.is_file():
-        return None
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelError(f"{model_path} has no config.json")
@@ -33,16 +29,16 @@ def read_hf_config(model_path: str) -> dict[str, Any] | None:
         raise ModelError(f"{config_file} is not valid JSON: {exc}") from None
 
 
-def supported_architectures() -> dict[str, list[plugins.PluginSpec]]:
+def supported_architectures() -> dict[str, list[PluginSpec]]:
     """Architecture -> the models plugins that implement it."""
-    out: dict[str, list[plugins.PluginSpec]] = {}
+    out: dict[str, list[PluginSpec]] = {}
     for spec in {s.name: s for s in plugins.available("models").values()}.values():
         for arch in spec.capabilities.architectures:
             out.setdefault(arch, []).append(spec)
     return out
 
 
-def resolve(hf_config: dict[str, Any]) -> plugins.PluginSpec:
+def resolve(hf_config: dict[str, Any]) -> PluginSpec:
     """The models plugin for the first of the config's architectures that one implements; where several do,
     the one of highest priority, as "auto" chooses in every slot (a tie is refused)."""
     archs = hf_config.get("architectures") or []

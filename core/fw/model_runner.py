@@ -12,16 +12,16 @@ from typing import Any
 
 import torch
 
-from fw import distributed, model_registry
+from fw import distributed, model_registry, plugins
 from fw.config import FwConfig
 from fw.decode_graph import DecodeGraphs
 from fw.forward_context import set_forward_context
 from fw.interfaces.attention import AttentionBatch
 from fw.interfaces.comm import Pending
 from fw.interfaces.kvconnector import KVTransferReport
-from fw.model_loader import iter_safetensors, load_model, resolve_dtype
+from fw.model_loader import load_model, resolve_dtype
 from fw.models.base import HFConfig, ModelContext
-from fw.scheduler import StepInputs
+from fw.step_inputs import StepInputs
 from fw.validate import CheckResult
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -45,16 +45,15 @@ class ModelRunner:
     def __init__(self, config: FwConfig, check: CheckResult, hf_config: dict, device: str) -> None:
         self.config = config
         self.device = device
-        selected, options = check.selected, check.options
-        quant = selected["quant"].load()(options.get("quant"), hf_config.get("quantization_config"))
-        attention = selected["attention"].load()(options.get("attention"))
+        quant = plugins.build("quant", check, hf_config.get("quantization_config"))
+        attention = plugins.build("attention", check)
         self.attention = attention
         self.hf_config = HFConfig(hf_config)
         dtype_name = check.requirements.dtype
         self.dtype = resolve_dtype(self.hf_config, dtype_name)
         ctx = ModelContext(dtype=self.dtype, quant=quant, attention=attention)
         model_cls = model_registry.resolve(hf_config).load()
-        tensors = quant.load_checkpoint(config.model.model) or iter_safetensors(config.model.model)
+        tensors = plugins.build("checkpoint_format", check).weights(config.model.model)
         self.model = load_model(
             model_cls, self.hf_config, ctx, tensors, device=device, kv_cache_dtype=config.cache.kv_cache_dtype
         )
@@ -72,8 +71,7 @@ class ModelRunner:
         ]
         # A pipeline stage holds a contiguous run of layers, whose attention finds its cache by layer number.
         self.layer_caches = [None] * self.model.attention_specs()[0].layer_idx + self.kv_caches
-        connector = selected.get("kv_connector")
-        self.kv_connector = connector.load().worker(options.get("kv_connector")) if connector is not None else None
+        self.kv_connector = plugins.build("kv_connector.worker", check)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
         self.kv_report = KVTransferReport()  # the connector's report of the latest step

@@ -7,7 +7,7 @@ listing never imports an implementation. Specs are checked when discovered
 (names against the known sets, the API version); one that fails is listed as
 broken and never selected. Only the plugin chosen for a slot is imported, by
 ``fw.validate.check``. ``fw.hooks`` entry points name pluggy hook
-implementations (see ``fw.hookspecs``).
+implementations (see ``fw.interfaces.hooks``).
 
 ``auto`` takes the plugin of highest ``priority`` among those that fit, never
 one chosen by name or install order: a tie at the top is an error naming the
@@ -31,22 +31,17 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from fw.interfaces import attention, comm, kvconnector, model, quant, sampler
+from fw.interfaces import attention, checkpoint_format, comm, kvconnector, model, quant, sampler
 from fw.interfaces.base import Capabilities, supported_api_versions
+from fw.interfaces.spec import INTERFACES, KIND_ALIASES, PluginError, PluginSpec, canonical_kind
 
-# Kind -> interface module; each module defines API_VERSION.
-INTERFACES = {
-    "models": model,
-    "attention": attention,
-    "quant": quant,
-    "comm": comm,
-    "kv_connector": kvconnector,
-    "sampler": sampler,
-}
+if TYPE_CHECKING:
+    from fw.validate import CheckResult
+
 # Kind -> the capability record its specs carry.
 RECORDS: dict[str, type[Capabilities]] = {
     "models": model.ModelCapabilities,
@@ -55,90 +50,15 @@ RECORDS: dict[str, type[Capabilities]] = {
     "comm": comm.CommCapabilities,
     "kv_connector": kvconnector.KVConnectorCapabilities,
     "sampler": sampler.SamplerCapabilities,
+    "checkpoint_format": checkpoint_format.CheckpointFormatCapabilities,
 }
 KINDS = tuple(INTERFACES)
-# Older spellings of a kind, accepted wherever a kind is named (entry-point groups, selectors, --plugin-option).
-KIND_ALIASES = {"kvconnector": "kv_connector"}
 HOOKS_GROUP = "fw.hooks"
-# The priority of fw's own default plugins: above PluginSpec's default, so that a plugin installed beside
-# them is chosen by "auto" only when it declares more.
-BUILTIN_PRIORITY = 10
-
-
-def canonical_kind(kind: str) -> str:
-    return KIND_ALIASES.get(kind, kind)
 
 
 def _groups(kind: str) -> list[str]:
     """The entry-point groups of ``kind``: its own and those of its older spellings."""
     return [f"fw.{kind}", *(f"fw.{alias}" for alias, canonical in KIND_ALIASES.items() if canonical == kind)]
-
-
-class PluginError(RuntimeError):
-    """A plugin could not be found, loaded or used; the message says why."""
-
-
-@dataclass(frozen=True)
-class PluginSpec:
-    """What an ``fw.<kind>`` entry point resolves to."""
-
-    name: str
-    kind: str
-    impl: str  # "package.module:attr", imported only when the plugin is used
-    capabilities: Capabilities
-    api_version: int
-    description: str = ""
-    options: type | None = None  # pydantic model validating the slot's ``options`` (``--plugin-option KIND.X=...``)
-    # Other names this plugin answers to (e.g. "unquantized" for "none").
-    aliases: tuple[str, ...] = ()
-    # Rank when the slot is "auto": the highest-priority plugin that fits is chosen (see the module docstring).
-    priority: int = 0
-
-    def load(self) -> Any:
-        module_name, _, attr = self.impl.partition(":")
-        try:
-            obj = importlib.import_module(module_name)
-            for part in attr.split(".") if attr else ():
-                obj = getattr(obj, part)
-        except Exception as exc:  # any import failure of a selected plugin is fatal, with its reason
-            raise PluginError(
-                f"{self.kind} plugin {self.name!r} failed to import {self.impl}: {type(exc).__name__}: {exc}"
-            ) from exc
-        # An interface that changed since the previous API version adapts plugins written against that one.
-        adapt = getattr(INTERFACES.get(canonical_kind(self.kind)), "adapt", None)
-        return obj if adapt is None else adapt(obj, self.api_version)
-
-    def parse_options(self, options: dict[str, Any] | None) -> Any:
-        """Validate ``options`` with the plugin's model.
-
-        Environment variables and flags carry text, so a list or mapping arrives as JSON or YAML
-        (``'["o_proj"]'``): text the model refuses is parsed, and used where it holds a list or mapping.
-        Text the model accepts stays text (a regex like ``[a-z]`` for a string option).
-        """
-        if self.options is None:
-            if options:
-                raise PluginError(f"{self.kind} plugin {self.name!r} takes no options (got {sorted(options)})")
-            return None
-        options = dict(options or {})
-        try:
-            return self.options.model_validate(options)
-        except ValidationError as exc:
-            refused = {e["loc"][0] for e in exc.errors() if e["loc"] and isinstance(options.get(e["loc"][0]), str)}
-            parsed = {key: value for key in refused if (value := _collection(options[key])) is not None}
-            if not parsed:
-                raise
-        return self.options.model_validate({**options, **parsed})
-
-
-def _collection(text: str) -> list | dict | None:
-    """``text`` as a JSON or YAML list or mapping, else None."""
-    import yaml
-
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return None
-    return value if isinstance(value, list | dict) else None
 
 
 def _selector_matches(item: str, kind: str, name: str) -> bool:
@@ -184,7 +104,7 @@ class Discovered:
 
     @property
     def label(self) -> str:
-        """``quant plugin 'int8' (fw-quant-int8 0.1.0)``: names the distribution to fix or uninstall."""
+        """``quant plugin 'int8' (fw-quant-fp8 0.1.0)``: names the distribution to fix or uninstall."""
         dist = f"{self.distribution} {self.version}" if self.distribution else f"no distribution, {self.target}"
         return f"{self.kind} plugin {self.name!r} ({dist})"
 
@@ -196,7 +116,7 @@ _IMPL = re.compile(r"[A-Za-z_][\w.]*(:[A-Za-z_][\w.]*)?")
 def _check_spec(kind: str, ep_name: str, obj: Any) -> str | None:
     """Every mistake in a discovered spec, each naming its field; None when it is well formed."""
     if not isinstance(obj, PluginSpec):
-        return f"entry point resolves to {type(obj).__name__}, not a fw.plugins.PluginSpec"
+        return f"entry point resolves to {type(obj).__name__}, not a fw.interfaces.spec.PluginSpec"
     problems = []
     if canonical_kind(obj.kind) != kind:
         problems.append(f"kind: {obj.kind!r}, but the spec is registered under fw.{kind}")
@@ -305,10 +225,23 @@ def by_priority(specs: Iterable[PluginSpec]) -> list[list[PluginSpec]]:
     return [list(group) for _, group in itertools.groupby(ranked, key=lambda s: s.priority)]
 
 
-def load_driver(kind: str, name: str) -> tuple[PluginSpec, Any]:
-    """Resolve a slot's plugin by name and import its implementation."""
+def build(kind: str, check: CheckResult, *args: Any) -> Any:
+    """The plugin ``fw.validate.check`` chose for ``kind``, built: its implementation called with the options the
+    check parsed, then ``args`` (what the kind's interface takes beside them). A KV connector is two halves, each
+    built where it runs: ``kind`` "kv_connector.scheduler" or "kv_connector.worker". None for an empty slot."""
+    slot, _, half = kind.partition(".")
+    spec = check.selected.get(slot)
+    if spec is None:
+        return None
+    impl = spec.load()
+    return (getattr(impl, half) if half else impl)(check.options.get(slot), *args)
+
+
+def load_driver(kind: str, name: str, options: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """A slot's plugin by name, imported, with ``options`` parsed: (implementation, options). For comm, whose
+    communicators ``fw.distributed`` builds (one per group) in every process that joins the world."""
     spec = get_spec(kind, name)
-    return spec, spec.load()
+    return spec.load(), spec.parse_options(options)
 
 
 @cache
@@ -316,10 +249,10 @@ def get_plugin_manager():
     """The process-wide pluggy manager with every enabled ``fw.hooks`` plugin registered."""
     import pluggy
 
-    from fw import hookspecs
+    from fw.interfaces import hooks
 
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
+    pm = pluggy.PluginManager(hooks.PROJECT)
+    pm.add_hookspecs(hooks)
     allow = _env_list("FW_PLUGINS") or []
     for ep in importlib.metadata.entry_points(group=HOOKS_GROUP):
         if not is_enabled("hooks", ep.name):

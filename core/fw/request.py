@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from fw.detokenizer import IncrementalDetokenizer
 from fw.outputs import PositionLogprobs, RequestMetrics
-from fw.sampling_params import SamplingParams
+from fw.sdk.sampling_params import SamplingParams
 
 _arrival = itertools.count()
 

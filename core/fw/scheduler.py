@@ -9,57 +9,25 @@ lowest-priority running request is preempted: its blocks are freed and it
 re-enters the waiting queue, to recompute its tokens later (prefix caching
 usually makes that cheap) and continue exactly where it stopped.
 
-With a KV connector, admission asks it how many prompt tokens past the local
-prefix cache can be loaded instead of computed. A synchronous connector loads
-them in the step that admits the request; an asynchronous one parks the
-request (holding its blocks) until the worker reports the load, then it is
-admitted again with those tokens computed. A failed load sends the request
-back to the queue to compute everything itself. A finished request whose
-blocks the connector is still sending keeps them until the send is reported.
+With a KV connector, admission asks ``KVTransfers`` (fw.kv_transfers) how
+many prompt tokens past the local prefix cache can be loaded instead of
+computed. A synchronous connector loads them in the step that admits the
+request; an asynchronous one parks the request until the worker reports the
+load, then it is admitted again with those tokens computed.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from fw.config import FwConfig
 from fw.interfaces.kvconnector import KVConnectorScheduler, KVTransferReport
 from fw.kv_cache import KVCacheManager
+from fw.kv_transfers import KVTransfers
 from fw.request import Request, Status
-
-log = logging.getLogger("fw")
-
-
-@dataclass
-class StepInputs:
-    """What every model worker needs for one step; plain data, so it can be sent to TP ranks."""
-
-    token_ids: list[int]  # the new tokens of every scheduled request, concatenated
-    num_computed: list[int]  # per request: tokens already in the KV cache
-    num_new: list[int]  # per request: tokens computed this step
-    block_tables: list[list[int]]
-    sample_rows: list[int]  # requests whose last new token ends their known tokens: they sample
-    # Token positions whose logits come back: each sampling request's last token, then the prompt
-    # tokens of requests that asked for prompt logprobs.
-    logit_positions: list[int]
-    copies: list[tuple[int, int]]  # copy-on-write block copies to run before the forward
-    kv_connector_meta: Any = None  # the KV connector's transfers for this step (build_connector_meta)
-
-
-@dataclass
-class KVConnectorStats:
-    """Running totals of the KV connector's work, for /metrics."""
-
-    queries: int = 0  # prompt tokens looked up through the connector
-    hits: int = 0  # of those, tokens it offered to load
-    failed_loads: int = 0  # requests whose load failed and which were recomputed
-    bytes_loaded: int = 0
-    bytes_saved: int = 0
-    seconds: float = 0.0
+from fw.step_inputs import StepInputs
 
 
 @dataclass
@@ -89,14 +57,7 @@ class Scheduler:
         connector: KVConnectorScheduler | None = None, device: str = "cpu", max_model_len: int = 0,
     ) -> None:
         self.kv = kv
-        self.connector = connector
-        # Asynchronous loads in flight: request id -> (request, tokens it will have computed once loaded).
-        self.waiting_for_kv: dict[str, tuple[Request, int]] = {}
-        # Requests whose blocks only the worker's report frees: finished ones the connector still sends,
-        # and aborted ones with a load in flight (it may still write their blocks). Request id -> its group id.
-        self.held: dict[str, str] = {}
-        self.recompute: set[str] = set()  # requests whose load failed: they skip the connector from now on
-        self.connector_stats = KVConnectorStats()
+        self.transfers = KVTransfers(connector, kv)
         # Requests whose per-request preparation (e.g. grammar compilation) is still running wait, others pass.
         self.is_ready = is_ready
         self.max_num_seqs = config.scheduler.max_num_seqs
@@ -131,8 +92,18 @@ class Scheduler:
 
     @property
     def kv_pending(self) -> bool:
-        """Transfers in flight that only the worker's reports complete: the engine steps until they do."""
-        return bool(self.waiting_for_kv or self.held)
+        """KV transfers in flight that only the worker's reports complete: the engine steps until they do."""
+        return self.transfers.pending
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not running: queued, or parked until their KV load arrives."""
+        return len(self.waiting) + len(self.transfers.loading)
+
+    def id_in_use(self, group_id: str, seq_ids: Iterable[str]) -> bool:
+        """Whether a request id may not be reused yet: a finished one's blocks may still be held for the KV
+        connector's send, under its sequence ids."""
+        return self.transfers.holds(group_id, seq_ids)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -148,7 +119,8 @@ class Scheduler:
                 batch.requests.append(request)
                 batch.num_new.append(num_new)
                 budget -= num_new
-        while (budget > 0 and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs
+        transfers = self.transfers
+        while (budget > 0 and len(self.running) + len(transfers.loading) < self.max_num_seqs
                and not batch.preempted):
             request = next((r for r in self.waiting if self.is_ready(r.request_id)), None)
             if request is None:
@@ -162,15 +134,15 @@ class Scheduler:
                 cached = 0 if request.params.prompt_logprobs is not None else self.kv.get_computed_blocks(
                     rid, request.all_token_ids, request.cache_keys
                 )
-                external = self._external_tokens(request, cached)
-            if external and self.connector.load_async:
+                external = transfers.external_tokens(request, cached)
+            if transfers.loads_later(external):
                 if not self.kv.allocate_slots(rid, cached + external):
                     self._unadmit(request)
                     break
-                self.connector.update_state_after_alloc(rid, self.kv.block_ids(rid), external)
+                transfers.allocated(rid, external)
                 self.waiting.remove(request)
                 request.num_computed_tokens = cached
-                self.waiting_for_kv[rid] = (request, cached + external)
+                transfers.park(request, cached + external)
                 continue
             num_new = request.num_tokens - cached - external
             if num_new > budget and not self.chunked_prefill:
@@ -180,8 +152,8 @@ class Scheduler:
             if not self.kv.allocate_slots(rid, cached + external + num_new):
                 self._unadmit(request)
                 break
-            if self.connector is not None and not loaded:
-                self.connector.update_state_after_alloc(rid, self.kv.block_ids(rid), external)
+            if not loaded:
+                transfers.allocated(rid, external)
             self.waiting.remove(request)
             cached += external
             request.num_computed_tokens = cached
@@ -194,24 +166,6 @@ class Scheduler:
             batch.prefix_hit_tokens += cached
             budget -= num_new
         return batch
-
-    def _external_tokens(self, request: Request, cached: int) -> int:
-        """Prompt tokens the connector offers to load after the ``cached`` local ones (0 without a connector)."""
-        if self.connector is None or request.params.prompt_logprobs is not None or request.request_id in self.recompute:
-            return 0
-        offered = self.connector.get_num_new_matched_tokens(
-            request.request_id, request.all_token_ids, cached, request.cache_keys
-        )
-        # The last token is computed here: its logits give the next token.
-        limit = request.num_tokens - 1 - cached
-        if not 0 <= offered <= limit:
-            # A connector bug must not fail the step every other request shares: this one computes its tokens.
-            log.error("KV connector offered %d tokens for request %s, at most %d can be loaded; computing them",
-                      offered, request.request_id, limit)
-            return 0
-        self.connector_stats.queries += request.num_tokens - cached
-        self.connector_stats.hits += offered
-        return offered
 
     def _unadmit(self, request: Request) -> None:
         """Admission stopped for lack of budget or blocks: the request waits with nothing held."""
@@ -263,55 +217,16 @@ class Scheduler:
             sample_rows=sample_rows,
             logit_positions=sample_positions + prompt_positions,
             copies=self.kv.take_pending_copies(),
-            kv_connector_meta=self._connector_meta(batch),
+            kv_connector_meta=self.transfers.step_meta(batch.requests, batch.num_new),
         )
 
-    def _connector_meta(self, batch: ScheduledBatch) -> Any:
-        if self.connector is None:
-            return None
-        for request, n in zip(batch.requests, batch.num_new, strict=True):
-            rid = request.request_id
-            self.connector.request_computed(
-                rid, request.all_token_ids, self.kv.block_ids(rid), request.num_computed_tokens + n, request.cache_keys
-            )
-        return self.connector.build_connector_meta()
-
     def finish_transfers(self, report: KVTransferReport) -> list[Request]:
-        """Apply the worker's report; returns the running requests whose load in this step failed.
+        """Apply the worker's KV-transfer report; returns the running requests whose load in this step failed.
 
-        Those go back to the queue to compute every token themselves; whatever the step computed on
+        Those went back to the queue to compute every token themselves; whatever the step computed on
         top of their missing KV must not be used.
         """
-        stats = self.connector_stats
-        stats.bytes_loaded += report.bytes_loaded
-        stats.bytes_saved += report.bytes_saved
-        stats.seconds += report.seconds
-        for rid in (report.sent | report.loaded | report.failed) & self.held.keys():
-            del self.held[rid]
-            self.kv.free(rid)
-        for rid in report.loaded & self.waiting_for_kv.keys():
-            request, computed = self.waiting_for_kv.pop(rid)
-            request.num_computed_tokens = computed
-            self.kv.cache_blocks(rid, request.all_token_ids, computed, request.cache_keys)
-            self._requeue(request)
-        failed = []
-        for request in [*self.running, *(r for r, _ in self.waiting_for_kv.values())]:
-            if request.request_id in report.failed:
-                stats.failed_loads += 1
-                self.recompute.add(request.request_id)
-                if request in self.running:
-                    self.running.remove(request)
-                    failed.append(request)
-                else:
-                    del self.waiting_for_kv[request.request_id]
-                # Its blocks hold no usable KV and the worker is done with them: the connector forgets the
-                # request and they are freed now, whatever it answers.
-                self.connector.request_finished(request.request_id, self.kv.block_ids(request.request_id))
-                self.kv.free(request.request_id)
-                request.num_computed_tokens = 0
-                request.num_cached_tokens = None  # what it really finds cached is recorded when it runs
-                self._requeue(request)
-        return failed
+        return self.transfers.finish(report, self.running, self._requeue)
 
     def update(self, batch: ScheduledBatch, inputs: StepInputs, tokens: list[int], logprobs: list[float] | None) -> list[Request]:
         """Account the computed tokens, append sampled ones; returns the requests that finished."""
@@ -332,33 +247,16 @@ class Scheduler:
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)
-        self._release(request)
-        self.recompute.discard(request.request_id)
-
-    def _release(self, request: Request) -> None:
-        """The request's blocks go back to the pool, once the connector no longer needs them."""
-        rid = request.request_id
-        if self.connector is not None and self.connector.request_finished(rid, self.kv.block_ids(rid)):
-            self.held[rid] = request.group_id
-        else:
-            self.kv.free(rid)
+        self.transfers.release(request)
 
     def abort(self, request_id: str) -> Request | None:
-        loading = [r for r, _ in self.waiting_for_kv.values()]
-        for request in [*self.running, *self.waiting, *loading]:
-            if request.request_id == request_id:
-                if request in self.running:
-                    self.running.remove(request)
-                elif request in loading:
-                    del self.waiting_for_kv[request_id]
-                    self.connector.request_finished(request_id, self.kv.block_ids(request_id))
-                    self.held[request_id] = request.group_id  # the load may still write its blocks
-                else:
-                    self.waiting.remove(request)
-                if request_id not in self.held:
-                    self._release(request)
-                self.recompute.discard(request_id)
-                request.status = Status.FINISHED
-                request.finish_reason = "abort"
-                return request
-        return None
+        request = self.transfers.abort_load(request_id)
+        if request is None:
+            request = next((r for r in [*self.running, *self.waiting] if r.request_id == request_id), None)
+            if request is None:
+                return None
+            (self.running if request in self.running else self.waiting).remove(request)
+            self.transfers.release(request)
+        request.status = Status.FINISHED
+        request.finish_reason = "abort"
+        return request

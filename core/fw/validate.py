@@ -4,13 +4,16 @@ Used by every command before anything heavy happens: it reads capability
 records, imports only the implementation chosen for each slot (so that a
 typo in a spec's ``impl`` is caught here, not at the first request), and
 reports all problems at once, with the plugins of each failing slot that
-would work instead.
+would work instead. The model path's checkpoint format is resolved first
+(``checkpoint_format``): it reads the config whose ``quantization_config``
+names the quant format the quant slot must load.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -18,13 +21,27 @@ from pydantic import ValidationError
 from fw import model_registry, plugins
 from fw.config import SLOTS, FwConfig
 from fw.interfaces.base import Requirements
+from fw.interfaces.checkpoint_format import API_VERSION as FORMAT_API_VERSION
+from fw.interfaces.checkpoint_format import CheckpointFormat, CheckpointFormatCapabilities
+from fw.interfaces.spec import PluginError, PluginSpec
 from fw.platform import DeviceInfo, detect
+from fw.sdk.errors import ModelError
+
+# The core's checkpoint format: what reads a path that no format plugin claims.
+DIRECTORY_FORMAT = PluginSpec(
+    name="directory",
+    kind="checkpoint_format",
+    impl="fw.model_loader:DirectoryFormat",
+    capabilities=CheckpointFormatCapabilities(),
+    api_version=FORMAT_API_VERSION,
+    description="A model directory: config.json, safetensors and tokenizer.json (fw's own format).",
+)
 
 
 @dataclass
 class CheckResult:
     requirements: Requirements
-    selected: dict[str, plugins.PluginSpec] = field(default_factory=dict)
+    selected: dict[str, PluginSpec] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)  # kind -> parsed options
     problems: list[str] = field(default_factory=list)
     alternatives: dict[str, list[str]] = field(default_factory=dict)
@@ -89,14 +106,54 @@ def model_requirements(config: FwConfig, device: DeviceInfo, hf_config: dict[str
     )
 
 
-def _installed(kind: str) -> list[plugins.PluginSpec]:
+def _installed(kind: str) -> list[PluginSpec]:
     return list({s.name: s for s in plugins.available(kind).values()}.values())
 
 
-def _fits(kind: str, req: Requirements) -> list[plugins.PluginSpec]:
+def _fits(kind: str, req: Requirements) -> list[PluginSpec]:
     """The plugins that can run ``req``, highest priority first (by name within a priority, for display only)."""
     fitting = (s for s in _installed(kind) if not s.capabilities.problems(req))
     return sorted(fitting, key=lambda s: (-s.priority, s.name))
+
+
+def checkpoint_format(model_path: str) -> PluginSpec:
+    """The format that reads ``model_path``: the highest-priority format plugin claiming its suffix, else, for a
+    directory with config.json, the core's. A path neither claims is a ModelError saying why; a tie at the top
+    priority is a PluginError naming the tied formats, never broken by name."""
+    claiming = [s for s in _installed("checkpoint_format") if s.capabilities.claims(model_path)]
+    if not claiming:
+        if (Path(model_path) / "config.json").is_file():
+            return DIRECTORY_FORMAT
+        raise ModelError(_unclaimed(Path(model_path)))
+    top, *tied = plugins.by_priority(claiming)[0]
+    if tied:
+        names = ", ".join(s.name for s in (top, *tied))
+        raise PluginError(
+            f"checkpoint formats {names} all claim {model_path} at priority {top.priority}; "
+            "disable all but one (FW_DISABLE_PLUGINS=checkpoint_format:NAME)"
+        )
+    return top
+
+
+def _unclaimed(path: Path) -> str:
+    if not path.exists():
+        return f"model path {path} does not exist"
+    if path.is_dir():
+        return f"{path} has no config.json"
+    return (
+        f"{path} is a file that no installed checkpoint format reads (`fw plugins list --kind checkpoint_format` "
+        "lists the suffixes they claim); a model directory holds config.json and safetensors"
+    )
+
+
+def _resolve_format(model_path: str, result: CheckResult) -> None:
+    try:
+        spec = result.selected["checkpoint_format"] = checkpoint_format(model_path)
+    except (ModelError, PluginError) as exc:
+        result.problems.append(str(exc))
+        return
+    suffixes = ", ".join(sorted(spec.capabilities.suffixes))
+    result.reasons["checkpoint_format"] = f"claims paths ending {suffixes}" if suffixes else "the core's: no format plugin claims it"
 
 
 def _resolve_auto(kind: str, req: Requirements, result: CheckResult) -> None:
@@ -139,7 +196,7 @@ def _resolve_slot(kind: str, name: str, req: Requirements, result: CheckResult) 
     else:
         try:
             spec = plugins.get_spec(kind, name)
-        except plugins.PluginError as exc:
+        except PluginError as exc:
             result.problems.append(str(exc))
         else:
             result.selected[kind] = spec
@@ -165,11 +222,13 @@ def check(
     if hf_config is not None:
         try:
             model = result.selected["models"] = model_registry.resolve(hf_config)
-        except model_registry.ModelError as exc:
+        except ModelError as exc:
             result.problems.append(str(exc))
         else:
             needed = req.attention_features | model.capabilities.requires_attention_features
             req = result.requirements = replace(req, attention_features=needed)
+        if config.model.model:
+            _resolve_format(config.model.model, result)
     for kind in SLOTS:
         choice = config.plugin_choice(kind)
         if choice.name is None:
@@ -179,7 +238,7 @@ def check(
         if spec is not None:
             try:
                 result.options[kind] = spec.parse_options(choice.options)
-            except (ValidationError, plugins.PluginError) as exc:
+            except (ValidationError, PluginError) as exc:
                 result.problems.append(f"{kind}.options: {_short(exc)}")
     _check_cross_slot(req, result)
     result.problems.extend(_not_implemented(config))
@@ -227,7 +286,7 @@ def _not_implemented(config: FwConfig) -> list[str]:
 
 
 def _pipeline_parallel_problems(
-    config: FwConfig, hf_config: dict[str, Any] | None, model: plugins.PluginSpec | None
+    config: FwConfig, hf_config: dict[str, Any] | None, model: PluginSpec | None
 ) -> list[str]:
     stages = config.parallel.pipeline_parallel_size
     layers = hf_config.get("num_hidden_layers", 0) if hf_config is not None else None
@@ -296,19 +355,19 @@ def _short(exc: Exception) -> str:
 
 @dataclass
 class ModelCheck:
-    """``check`` for a model path: the resolved path, its config and the quant method that reads it."""
+    """``check`` for a model path: the resolved path, its config and the checkpoint format that read it."""
 
     result: CheckResult
     model_path: str | None
     hf_config: dict[str, Any] | None
-    quant: Any = None  # the selected QuantMethod instance, when the checks passed
+    format: CheckpointFormat | None = None  # reads the weights and (maybe) the tokenizer; None when no format reads it
 
 
 def check_model(config: FwConfig, device: DeviceInfo | None = None) -> ModelCheck:
     """Find the model (the configured path, else a plugin's default), read its config, check everything.
 
-    A directory's config.json is read by the core; a single-file checkpoint (GGUF) is described by the
-    quant plugin that its detected format selects.
+    The path's checkpoint format reads the config: a path that no format reads is a problem, a config that its
+    format cannot read raises the format's ``ModelError`` (as loading the model would).
     """
     device = device or detect(config.model.device)
     path = config.model.model or plugins.get_plugin_manager().hook.fw_default_model()
@@ -318,20 +377,10 @@ def check_model(config: FwConfig, device: DeviceInfo | None = None) -> ModelChec
         return ModelCheck(result, None, None)
     config.model.model = str(path)
     try:
-        hf_config = model_registry.read_hf_config(config.model.model)
-    except model_registry.ModelError as exc:
+        reader = checkpoint_format(config.model.model).load()()
+    except (ModelError, PluginError) as exc:
         result = check(config, device)
         result.problems.insert(0, str(exc))
         return ModelCheck(result, config.model.model, None)
-    result = check(config, device, hf_config)
-    if not result.ok:
-        return ModelCheck(result, config.model.model, hf_config)
-    spec = result.selected["quant"]
-    quant = spec.load()(result.options.get("quant"), (hf_config or {}).get("quantization_config"))
-    if hf_config is None:
-        hf_config = quant.checkpoint_config(config.model.model)
-        if hf_config is None:
-            result.problems.append(f"quant plugin {spec.name!r} cannot read {config.model.model}")
-        else:
-            result = check(config, device, hf_config)
-    return ModelCheck(result, config.model.model, hf_config, quant)
+    hf_config = reader.config(config.model.model)
+    return ModelCheck(check(config, device, hf_config), config.model.model, hf_config, reader)

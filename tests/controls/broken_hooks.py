@@ -1,7 +1,6 @@
 """A deliberately broken hooks plugin (see broken_plugins.py): its returns break two hooks' contracts."""
 
-from fw import hookimpl
-from fw.config import CliOption
+from fw.interfaces.hooks import CliOption, hookimpl
 
 
 @hookimpl

@@ -6,14 +6,18 @@ of ``suites.py`` against them. Each bug is one an author could make.
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
-from fw.interfaces import attention, comm, kvconnector, quant, sampler
+from fw.interfaces import attention, checkpoint_format, comm, kvconnector, quant, sampler
 from fw.interfaces.base import frozen
-from fw.plugins import PluginSpec
-from fw_comm_torch.communicator import TorchDistributed
-from fw_sampler_default.sampler import DefaultSampler
+from fw.interfaces.spec import PluginSpec
+from fw.sdk.sampler import DefaultSampler
+from fw.sdk.torch_distributed import TorchDistributed
 
 
 def _spec(kind: str, module, record, impl: str, **capabilities) -> PluginSpec:
@@ -109,9 +113,32 @@ class GreedyIgnoringSampler(DefaultSampler):
 
 KV_CONNECTOR_IMPL = kvconnector.KVConnector(PartialBlocksScheduler, NoopWorker)
 
+
+def write_single_file(plain, out):
+    """A plain checkpoint as one ``.broken`` file: its safetensors, with config.json in the metadata."""
+    path = out / "model.broken"
+    save_file(load_file(plain / "model.safetensors"), path, metadata={"config": (plain / "config.json").read_text()})
+    return path
+
+
+class SwappedGateUp(checkpoint_format.CheckpointFormat):
+    """Reads ``write_single_file``'s files, mapping a converter's gate and up projections the wrong way round."""
+
+    def config(self, model_path):
+        with safe_open(model_path, framework="pt") as f:
+            return json.loads(f.metadata()["config"])
+
+    def weights(self, model_path):
+        swap = {"gate_proj": "up_proj", "up_proj": "gate_proj"}
+        for name, tensor in load_file(model_path).items():
+            parts = name.split(".")
+            yield ".".join(swap.get(part, part) for part in parts), tensor  # the bug
+
 ATTENTION = _spec("attention", attention, attention.AttentionCapabilities, "FixedBlockAttention",
                   devices=frozen("cpu"), dtypes=frozen("float32"))
 QUANT = _spec("quant", quant, quant.QuantCapabilities, "ForgetfulInt8", dtypes=frozen("float32"))
 COMM = _spec("comm", comm, comm.CommCapabilities, "ReversedGather", devices=frozen("cpu"))
 KV_CONNECTOR = _spec("kv_connector", kvconnector, kvconnector.KVConnectorCapabilities, "KV_CONNECTOR_IMPL")
 SAMPLER = _spec("sampler", sampler, sampler.SamplerCapabilities, "GreedyIgnoringSampler")
+CHECKPOINT_FORMAT = _spec("checkpoint_format", checkpoint_format, checkpoint_format.CheckpointFormatCapabilities,
+                          "SwappedGateUp", suffixes=frozen(".broken"))

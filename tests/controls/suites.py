@@ -1,9 +1,10 @@
 """The conformance suites against the broken plugins; run by test_conformance_controls.py, never collected alone."""
 
-from broken_plugins import quantize_rows
+from broken_plugins import quantize_rows, write_single_file
 
 from fw.testing.conformance import (
     AttentionConformance,
+    CheckpointFormatConformance,
     CommConformance,
     HooksConformance,
     KVConnectorConformance,
@@ -48,3 +49,8 @@ class TestSampler(SamplerConformance):
 
 class TestHooks(HooksConformance):
     plugin = "broken"
+
+
+class TestCheckpointFormat(CheckpointFormatConformance):
+    plugin = "broken"
+    fixture = staticmethod(write_single_file)

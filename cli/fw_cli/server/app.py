@@ -24,14 +24,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fw import __version__
-from fw.async_engine import AsyncEngine
-from fw.chat import ChatTemplateError, load_template, render_chat
 from fw.config import ServerSection
-from fw.engine import EngineError
+from fw.engine.client import EngineClient, EngineError
 from fw.inputs import TokensPrompt
 from fw.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from fw.sampling_params import SamplingParams, SamplingParamsError
-from fw.workers import WorkerError, WorkerPool
+from fw.sdk.chat import ChatTemplateError, load_template, render_chat
+from fw.sdk.sampling_params import SamplingParams, SamplingParamsError
+from fw.sdk.workers import WorkerError, WorkerPool
 from fw_cli.server.metrics import Metrics
 from fw_cli.server.protocol import (
     APIError,
@@ -45,7 +44,7 @@ from fw_cli.server.protocol import (
 log = logging.getLogger("fw.server")
 _NEUTRAL = SamplingParams()
 MIN_LOGPROB = -9999.0  # JSON has no -inf: OpenAI and vLLM send this instead
-# What the engine runs: (prompt, params, engine request id, priority), as AsyncEngine.generate_many takes them.
+# What the engine runs: (prompt, params, engine request id, priority), as EngineClient.generate_many takes them.
 Submission = tuple[TokensPrompt, SamplingParams, str, int]
 T = TypeVar("T")
 DOCS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
@@ -103,12 +102,12 @@ def _summary(params: SamplingParams) -> str:
 
 
 class Server:
-    def __init__(self, engine: AsyncEngine, served_model_name: str, settings: ServerSection,
+    def __init__(self, engine: EngineClient, served_model_name: str, settings: ServerSection,
                  defaults: dict[str, Any] | None = None):
         self.engine = engine
-        self.tokenizer = engine.engine.tokenizer
-        self.vocab_size = engine.engine.vocab_size
-        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = engine.view.tokenizer
+        self.vocab_size = engine.view.vocab_size
+        self.max_model_len = engine.view.max_model_len
         self.model_name = served_model_name
         self.settings = settings
         self.api_key = settings.api_key.get_secret_value() if settings.api_key else None
@@ -120,7 +119,7 @@ class Server:
         self.max_logprobs = settings.max_logprobs
         self.log_requests = not settings.disable_log_requests
         self.defaults = defaults or {}  # SamplingParams values for fields a request leaves unset
-        self.metrics = Metrics(engine.engine)
+        self.metrics = Metrics(engine)
         self.created = int(time.time())
         self.num_waiting = 0  # generation requests received and not generating yet
         self.draining = False  # shutting down: in-flight requests finish, new ones are turned away
@@ -650,7 +649,7 @@ class _GracefulServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         should_exit = await super().on_tick(counter)
         if should_exit and not self.force_exit and time.monotonic() < self.drain_deadline:
-            return not self.fw_server.engine.engine.has_unfinished_requests()
+            return not self.fw_server.engine.has_unfinished_requests()
         return should_exit
 
     @contextlib.contextmanager

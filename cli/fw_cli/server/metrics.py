@@ -7,8 +7,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from fw.data_parallel import FrontInfo, Replica
-from fw.engine import LLMEngine
+from fw.engine.client import EngineClient, ReplicaStats
+from fw.kv_transfers import KVConnectorStats
 from fw.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -16,79 +16,75 @@ TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 
 
 
 class _EngineState:
-    """Read at scrape time from the engine (plain reads of counters and queue lengths)."""
+    """The engine's latest stats snapshot, read at scrape time (the engine publishes one per step)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
 
     def collect(self):
-        sched, kv = self.engine.scheduler, self.engine.kv
+        stats = self.engine.stats()
+        if stats.replicas:
+            yield from _replica_families(stats.replicas)
+            return
         for name, doc, value in (
-            ("fw:num_requests_running", "Requests in the running batch.", len(sched.running)),
+            ("fw:num_requests_running", "Requests in the running batch.", stats.running),
             ("fw:num_requests_waiting", "Requests waiting to be scheduled (or for their KV to arrive).",
-             len(sched.waiting) + len(sched.waiting_for_kv)),
-            ("fw:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", kv.usage()),
+             stats.waiting),
+            ("fw:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", stats.kv_cache_usage),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("fw:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                  value=kv.prefix_cache_queries)
+                                  value=stats.prefix_cache_queries)
         yield CounterMetricFamily("fw:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                  value=kv.prefix_cache_hits)
-        if sched.connector is None:
-            return
-        stats = sched.connector_stats
-        yield CounterMetricFamily("fw:external_prefix_cache_queries",
-                                  "Prompt tokens looked up through the KV connector.", value=stats.queries)
-        yield CounterMetricFamily("fw:external_prefix_cache_hits",
-                                  "Prompt tokens the KV connector loaded instead of computing.", value=stats.hits)
-        # fw's own names: vLLM has these per connector only (vllm:nixl_bytes_transferred, ...).
-        moved = CounterMetricFamily("fw:kv_transfer_bytes", "KV-cache bytes the connector moved.",
-                                    labels=["direction"])
-        moved.add_metric(["load"], stats.bytes_loaded)
-        moved.add_metric(["save"], stats.bytes_saved)
-        yield moved
-        yield CounterMetricFamily("fw:kv_transfer_seconds", "Time the KV connector spent transferring.",
-                                  value=stats.seconds)
-        yield CounterMetricFamily("fw:kv_load_failures",
-                                  "Requests whose KV load failed or timed out and which computed their prompt.",
-                                  value=stats.failed_loads)
+                                  value=stats.prefix_cache_hits)
+        if stats.kv_connector is not None:
+            yield from _connector_families(stats.kv_connector)
 
 
-class _ReplicaStates:
+def _connector_families(stats: KVConnectorStats):
+    yield CounterMetricFamily("fw:external_prefix_cache_queries",
+                              "Prompt tokens looked up through the KV connector.", value=stats.queries)
+    yield CounterMetricFamily("fw:external_prefix_cache_hits",
+                              "Prompt tokens the KV connector loaded instead of computing.", value=stats.hits)
+    # fw's own names: vLLM has these per connector only (vllm:nixl_bytes_transferred, ...).
+    moved = CounterMetricFamily("fw:kv_transfer_bytes", "KV-cache bytes the connector moved.", labels=["direction"])
+    moved.add_metric(["load"], stats.bytes_loaded)
+    moved.add_metric(["save"], stats.bytes_saved)
+    yield moved
+    yield CounterMetricFamily("fw:kv_transfer_seconds", "Time the KV connector spent transferring.",
+                              value=stats.seconds)
+    yield CounterMetricFamily("fw:kv_load_failures",
+                              "Requests whose KV load failed or timed out and which computed their prompt.",
+                              value=stats.failed_loads)
+
+
+def _replica_families(replicas: tuple[ReplicaStats, ...]):
     """``-dp N``: each replica's state as it last reported it, labelled ``engine`` as vLLM labels its engines, and
     the requests routed to each."""
-
-    def __init__(self, replicas: list[Replica]) -> None:
-        self.replicas = replicas
-
-    def collect(self):
-        families = [
-            (GaugeMetricFamily, "fw:num_requests_running", "Requests in the running batch.", "running"),
-            (GaugeMetricFamily, "fw:num_requests_waiting", "Requests waiting to be scheduled (or for their KV to arrive).",
-             "waiting"),
-            (GaugeMetricFamily, "fw:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
-             "kv_cache_usage"),
-            (CounterMetricFamily, "fw:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             "prefix_cache_queries"),
-            (CounterMetricFamily, "fw:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-             "prefix_cache_hits"),
-        ]
-        for kind, name, doc, field in families:
-            family = kind(name, doc, labels=["engine"])
-            for replica in self.replicas:
-                family.add_metric([str(replica.rank)], getattr(replica.stats, field))
-            yield family
-        routed = CounterMetricFamily("fw:requests_routed", "Requests the server sent to each data-parallel replica.",
-                                     labels=["engine"])
-        for replica in self.replicas:
-            routed.add_metric([str(replica.rank)], replica.routed)
-        yield routed
+    families = [
+        (GaugeMetricFamily, "fw:num_requests_running", "Requests in the running batch.", "running"),
+        (GaugeMetricFamily, "fw:num_requests_waiting", "Requests waiting to be scheduled (or for their KV to arrive).",
+         "waiting"),
+        (GaugeMetricFamily, "fw:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+         "kv_cache_usage"),
+        (CounterMetricFamily, "fw:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+         "prefix_cache_queries"),
+        (CounterMetricFamily, "fw:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+         "prefix_cache_hits"),
+        (CounterMetricFamily, "fw:requests_routed", "Requests the server sent to each data-parallel replica.",
+         "routed"),
+    ]
+    for kind, name, doc, field in families:
+        family = kind(name, doc, labels=["engine"])
+        for replica in replicas:
+            family.add_metric([str(replica.rank)], getattr(replica, field))
+        yield family
 
 
 class Metrics:
-    def __init__(self, engine: LLMEngine | FrontInfo) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_ReplicaStates(engine.replicas) if isinstance(engine, FrontInfo) else _EngineState(engine))
+        self.registry.register(_EngineState(engine))
         r = self.registry
         self.prompt_tokens = Counter("fw:prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter("fw:generation_tokens", "Tokens generated.", registry=r)

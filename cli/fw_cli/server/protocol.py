@@ -13,7 +13,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from fw.sampling_params import SamplingParams, StructuredOutputsParams
+from fw.sdk.sampling_params import SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger("fw.server")
 # The structured_outputs keys fw's samplers implement (vLLM also has grammar and structural_tag).
@@ -267,7 +267,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def for_template(self) -> dict[str, Any]:
-        """The message as chat templates take it (content parts are joined by fw.chat); no content is ""."""
+        """The message as chat templates take it (content parts are joined by fw.sdk.chat); no content is ""."""
         return {**self.model_dump(exclude_none=True), "content": "" if self.content is None else self.content}
 
 

@@ -1,4 +1,4 @@
-"""Step log: one JSON line per engine step (``fw.hookspecs.StepStats``), an example hooks plugin to copy.
+"""Step log: one JSON line per engine step (``fw.interfaces.hooks.StepStats``), an example hooks plugin to copy.
 
 It adds a config section, ``steplog: {path: ...}``, and the flag ``--steplog PATH`` (``LLM(steplog=PATH)``);
 without a path it does nothing. Each engine writes to the path its own configuration names: the file is
@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import IO, Any
+from typing import IO
 
 from pydantic import BaseModel, Field
 
-from fw import hookimpl
-from fw.config import CliOption, FwConfig
-from fw.hookspecs import StepStats
+from fw.interfaces.hooks import CliOption, EngineView, FwConfig, StepStats, hookimpl
 
 
 class StepLogSection(BaseModel, extra="forbid"):
@@ -44,7 +42,7 @@ def fw_configure(config: FwConfig) -> None:
 
 
 @hookimpl
-def fw_step_stats(stats: StepStats, engine: Any) -> None:
+def fw_step_stats(stats: StepStats, engine: EngineView) -> None:
     log = _logs.get(id(engine.config))
     if log is not None:
         log.write(json.dumps(dataclasses.asdict(stats)) + "\n")

@@ -1,2 +1,2 @@
-"""Round-to-nearest int8 weight-only quantization for Flywheel: an example quant plugin to copy (fw-quant-int8 is
-the built-in one, with checkpoints, W8A8 and native kernels)."""
+"""Round-to-nearest int8 weight-only quantization for Flywheel: an example quant plugin to copy (fw-quant-fp8's int8
+plugin is the built-in one, with checkpoints, W8A8 and native kernels)."""

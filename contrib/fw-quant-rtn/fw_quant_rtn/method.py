@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fw.interfaces.quant import LinearMethod, LinearSpec, QuantMethod
-from fw.layers import dense
+from fw.sdk import dense
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,7 +44,7 @@ class RtnLinearMethod(LinearMethod):
 
 
 class DenseLinearMethod(RtnLinearMethod):
-    """Skipped layers: the same float weight, kept, and packed for the CPU's fast kernels by ``fw.layers.dense``."""
+    """Skipped layers: the same float weight, kept, and packed for the CPU's fast kernels by ``fw.sdk.dense``."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         dense.pack_parameter(layer)

@@ -3,7 +3,7 @@ from pydantic import BaseModel, Field
 
 from fw.interfaces import quant
 from fw.interfaces.base import frozen
-from fw.plugins import PluginSpec
+from fw.interfaces.spec import PluginSpec
 
 
 class RtnOptions(BaseModel, extra="forbid"):

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from fw.interfaces.sampler import Sampler, SamplerOutput, SamplingBatch
-from fw.sampling_params import GREEDY_EPS
+from fw.sdk.sampling_params import GREEDY_EPS
 
 
 def typical_filter(logits: torch.Tensor, mass: float) -> torch.Tensor:

@@ -3,7 +3,7 @@ from pydantic import BaseModel, Field
 
 from fw.interfaces import sampler
 from fw.interfaces.base import frozen
-from fw.plugins import PluginSpec
+from fw.interfaces.spec import PluginSpec
 
 
 class TypicalOptions(BaseModel, extra="forbid"):
@@ -15,7 +15,7 @@ SPEC = PluginSpec(
     kind="sampler",
     impl="fw_sampler_typical.sampler:TypicalSampler",
     capabilities=sampler.SamplerCapabilities(features=frozen("seed")),
-    api_version=sampler.API_VERSION,
+    api_version=1,
     description="Locally typical sampling: keep the tokens whose surprise is closest to the entropy.",
     options=TypicalOptions,
 )

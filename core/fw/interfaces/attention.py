@@ -31,7 +31,7 @@ FEATURES = frozenset({"sliding_window", "mla", "fp8_kv", "cuda_graph", "soft_cap
 DERIVED_FEATURES = frozenset({"fp8_kv"})
 
 # The values of --kv-cache-dtype: auto is the model dtype; fp8 is float8_e4m3fn with a per-layer scale for K and
-# one for V; int8 has a scale per token and head (fw.kv_quant stores and reads them).
+# one for V; int8 has a scale per token and head (fw.sdk.kv_quant stores and reads them).
 KVCacheDtype = Literal["auto", "fp8", "int8"]
 KV_CACHE_DTYPES = frozenset(get_args(KVCacheDtype))
 
@@ -215,10 +215,10 @@ class AttentionBackend(ABC):
     ) -> KVCacheSpec:
         """The layout of ``layer``'s cache for a model in ``dtype``; ``kv_cache_dtype`` is one the capabilities list.
 
-        The default is each KV-cache dtype's standard layout (``fw.kv_quant``): K and V per KV head, or for MLA
+        The default is each KV-cache dtype's standard layout (``fw.sdk.kv_quant``): K and V per KV head, or for MLA
         the latent and the rotary key in one part. Override it only for a layout of the backend's own.
         """
-        from fw import kv_quant  # imports torch: never at module level, where listing plugins reads this file
+        from fw.sdk import kv_quant  # imports torch: never at module level, where listing plugins reads this file
 
         if layer.mla is not None:
             heads, row, parts = 1, layer.mla.kv_lora_rank + layer.mla.qk_rope_head_dim, 1

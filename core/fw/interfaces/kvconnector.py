@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fw.interfaces.base import Capabilities, Requirements
-from fw.kv_cache import block_hash_chain  # pure Python: listing plugins still imports no torch
+from fw.sdk.block_hash import block_hash_chain  # pure Python: listing plugins still imports no torch
 
 if TYPE_CHECKING:
     import torch
@@ -186,7 +186,7 @@ class PrefixBlockMeta:
 
 class PrefixBlockScheduler(KVConnectorScheduler):
     """The scheduler half of a connector that stores prompt blocks under their prefix hash
-    (``fw.kv_cache.block_hash_chain``, cache keys included), so a stored block stands for exactly one prefix.
+    (``fw.sdk.block_hash.block_hash_chain``, cache keys included), so a stored block stands for exactly one prefix.
 
     A subclass says how many leading blocks of a chain its store can provide (``stored_prefix``) and which
     computed blocks are worth saving (``should_save``); the bookkeeping of matches, loads and saves is here.

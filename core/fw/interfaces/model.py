@@ -1,8 +1,8 @@
 """Model architecture interface (plugin kind ``fw.models``).
 
 A model plugin maps Hugging Face ``config.json`` ``architectures`` names to a
-``torch.nn.Module`` with this shape (the built-ins in ``fw.models`` are the
-examples):
+``torch.nn.Module`` that also derives from ``ModelBase`` (below: what the engine
+calls), with this shape (the built-ins in ``fw.models`` are the examples):
 
 - ``__init__(self, config: fw.models.base.HFConfig, ctx: fw.models.base.ModelContext)``
 - ``forward(input_ids [T], positions [T]) -> hidden states [T, hidden]``
@@ -21,11 +21,16 @@ only its stage's layers in ``attention_specs()`` (``layer_idx`` keeps the layer'
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from fw.interfaces.attention import FEATURES
+from fw.interfaces.attention import FEATURES, AttentionLayerSpec
 from fw.interfaces.base import Capabilities, Requirements
+
+if TYPE_CHECKING:
+    import torch
 
 API_VERSION = 1
 
@@ -45,3 +50,30 @@ class ModelCapabilities(Capabilities):
         if req.architecture and req.architecture not in self.architectures:
             out.append(f"does not implement {req.architecture}")
         return out
+
+
+class ModelBase(ABC):
+    """What the engine calls on a model: derive the ``torch.nn.Module`` a ``fw.models`` spec names from it too
+    (``class MyForCausalLM(nn.Module, ModelBase)``; not an ``nn.Module`` itself, so that reading this file for
+    listing plugins imports no torch). The module docstring says what each call receives."""
+
+    # True when a decode step runs the same ops on tensors every time, so fw.decode_graph may trace it once and
+    # replay it; False for a model whose step reads tensor values into Python (DeepSeek's routing).
+    decode_graphs: ClassVar[bool] = False
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] of the step's tokens (the last pipeline stage's; earlier stages send theirs on)."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] over the full vocabulary on every rank."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load Hugging Face-named checkpoint tensors; the names of the parameters loaded."""
+
+    @abstractmethod
+    def attention_specs(self) -> list[AttentionLayerSpec]:
+        """One spec per attention layer this stage holds, in order (``layer_idx`` keeps the layer's number):
+        what the KV cache is sized and laid out from."""

@@ -7,22 +7,23 @@ every layer of routed experts a ``MoEMethod`` (by default unquantized). Each
 layer describes itself in a ``LinearSpec`` / ``MoESpec``: sizes, the
 checkpoint names of what it fuses, the tensor-parallel split. That spec and
 the parameters a method registers are the whole contract between the two.
-Formats whose files are not safetensors + config.json (GGUF) also provide
-``checkpoint_config``, ``load_checkpoint`` and ``load_tokenizer``. The
-unquantized path is itself a plugin (``none``).
+The unquantized path is itself a plugin (``none``), built from the SDK's
+``fw.sdk.linear.UnquantizedLinearMethod``.
 
-Checkpoint-format detection is data: ``config.json``'s
-``quantization_config.quant_method`` (or a ``fw_detect_quant_format`` hook)
-names a format, and "auto" chooses the highest-priority plugin whose
-``QuantCapabilities.formats`` lists it ("none", priority 10, for plain weights;
-a plugin that also loads plain checkpoints runs when named, or above it).
+A quant method never reads files: the checkpoint's format does
+(``fw.interfaces.checkpoint_format``), and its config's
+``quantization_config.quant_method`` (or a ``fw_detect_quant_format`` hook,
+for schemes that share one quant_method) names the weights' quant format.
+"auto" chooses the highest-priority plugin whose ``QuantCapabilities.formats``
+lists it ("none", priority 10, for plain weights; a plugin that also loads
+plain checkpoints runs when named, or above it).
 """
 
 from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
@@ -33,15 +34,14 @@ if TYPE_CHECKING:
     import torch
     from pydantic import BaseModel
 
-    from fw.tokenizer import Tokenizer
-
 # 2: get_linear_method/create_weights take a LinearSpec; get_moe_method added. v1 plugins run through adapt().
 API_VERSION = 2
 
 
 @dataclass(frozen=True)
 class QuantCapabilities(Capabilities):
-    # Checkpoint formats this plugin loads ("fp8", "awq", "gptq", "gguf"); "none" for plain weights.
+    # Quant formats this plugin loads, as a checkpoint's config names them ("fp8", "awq", "gptq", "gguf"; see the
+    # module docstring); "none" for plain weights.
     formats: frozenset[str] = frozenset({"none"})
     # Attention features this scheme needs (e.g. "fp8_kv"); checked against the chosen backend.
     requires_attention_features: frozenset[str] = frozenset()
@@ -203,7 +203,7 @@ class ModuleSchemes(Generic[S]):
 
     def common(self, names: tuple[str, ...], prefix: str) -> S | None:
         """The one scheme of the checkpoint matrices a layer fuses (q/k/v, gate/up, one layer's experts)."""
-        from fw.model_loader import ModelLoadError
+        from fw.sdk.errors import ModelLoadError
 
         schemes = {self(n) for n in names}
         if len(schemes) > 1:
@@ -216,38 +216,22 @@ class QuantMethod(ABC):
 
     def __init__(self, options: BaseModel | None = None, quant_config: dict[str, Any] | None = None) -> None:
         self.options = options
-        # config.json's quantization_config (or the equivalent the plugin's loader read).
+        # The checkpoint config's quantization_config, as its checkpoint format read it.
         self.quant_config = quant_config or {}
 
     @abstractmethod
     def get_linear_method(self, spec: LinearSpec) -> LinearMethod:
         """The method for the linear layer ``spec`` describes."""
 
-    def get_moe_method(self, spec: MoESpec) -> MoEMethod:
-        """The method for a layer of routed experts; by default the experts stay unquantized."""
-        from fw.layers.moe import UnquantizedMoEMethod
-
-        return UnquantizedMoEMethod()
+    def get_moe_method(self, spec: MoESpec) -> MoEMethod | None:
+        """The method for a layer of routed experts. None, the default, keeps them unquantized (the layer then
+        uses ``fw.sdk.moe.UnquantizedMoEMethod``, which a plugin may also return for experts it leaves in float)."""
+        return None
 
     def get_logits_method(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """A product for the LM head, made from its loaded float weight (this rank's vocabulary rows; the
         embedding's table when tied, which the lookup keeps using): hidden states -> float32 logits. None, the
         default, keeps the head in float: its rounding moves the logits more than any other layer's."""
-        return None
-
-    def checkpoint_config(self, model_path: str) -> dict[str, Any] | None:
-        """For single-file formats the core cannot read (GGUF): the Hugging Face–style config dict.
-
-        None means the model is a directory with config.json, which the core reads.
-        """
-        return None
-
-    def load_checkpoint(self, model_path: str) -> Iterator[tuple[str, torch.Tensor]] | None:
-        """For such formats: (Hugging Face parameter name, tensor) pairs. None: the core reads safetensors."""
-        return None
-
-    def load_tokenizer(self, model_path: str) -> Tokenizer | None:
-        """For such formats: the tokenizer the file carries. None: the core reads tokenizer.json."""
         return None
 
 

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     import torch
     from pydantic import BaseModel
 
-    from fw.sampling_params import SamplingParams
-    from fw.tokenizer import Tokenizer
+    from fw.sdk.sampling_params import SamplingParams
+    from fw.sdk.tokenizer import Tokenizer
 
 API_VERSION = 1
 

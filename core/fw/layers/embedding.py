@@ -4,7 +4,7 @@ Each rank holds a contiguous slice of ``ceil(vocab / tp)`` rows (the last
 rank's tail is zero padding). The embedding looks up the ids it owns and
 all-reduces; the LM head computes its slice of the logits and all-gathers.
 With tied embeddings the head shares the embedding's parameter. On the CPU
-the head packs its weight for fw's kernels (``fw.layers.dense``; a copy when
+the head packs its weight for fw's kernels (``fw.sdk.dense``; a copy when
 tied): the largest matrix of a small model, read in full every decode step.
 A quant plugin may replace that product (``QuantMethod.get_logits_method``).
 """
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fw.distributed import get_tp_group
-from fw.layers import dense
-from fw.layers.utils import check_dtype, check_shape
+from fw.sdk import dense
+from fw.sdk.weights import check_dtype, check_shape
 
 if TYPE_CHECKING:
     from fw.interfaces.quant import QuantMethod

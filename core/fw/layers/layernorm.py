@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fw.layers import native_ops
-from fw.layers.utils import default_weight_loader
+from fw.sdk import native_ops
+from fw.sdk.weights import default_weight_loader
 
 
 class RMSNorm(nn.Module):

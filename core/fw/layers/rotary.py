@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fw.layers import native_ops
+from fw.sdk import native_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 

@@ -22,15 +22,16 @@ from torch import nn
 from fw.distributed import get_pp_group, stage_layers
 from fw.forward_context import get_forward_context
 from fw.interfaces.attention import AttentionLayerSpec
-from fw.layers.activation import SiluAndMul
+from fw.interfaces.model import ModelBase
 from fw.layers.attention import Attention
 from fw.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from fw.layers.layernorm import RMSNorm
 from fw.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from fw.layers.rotary import RotaryEmbedding
-from fw.layers.utils import default_weight_loader, num_shards
-from fw.model_loader import ModelLoadError
 from fw.models.base import HFConfig, ModelContext
+from fw.sdk.activation import SiluAndMul
+from fw.sdk.errors import ModelLoadError
+from fw.sdk.weights import default_weight_loader, num_shards
 
 
 class GatedMLP(nn.Module):
@@ -189,7 +190,7 @@ class DecoderModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(nn.Module, ModelBase):
     """LlamaForCausalLM and MistralForCausalLM (whose ``sliding_window`` applies to every layer)."""
 
     qk_norm = False

@@ -1,8 +1,8 @@
 """Entry-point specs of the built-in architectures (light: no torch import)."""
 
 from fw.interfaces.base import frozen
-from fw.interfaces.model import API_VERSION, ModelCapabilities
-from fw.plugins import BUILTIN_PRIORITY, PluginSpec
+from fw.interfaces.model import ModelCapabilities
+from fw.interfaces.spec import BUILTIN_PRIORITY, PluginSpec
 
 
 def _spec(
@@ -18,7 +18,7 @@ def _spec(
             requires_attention_features=requires,
             features=frozen("pipeline_parallel"),  # every built-in is a fw.models.llama decoder
         ),
-        api_version=API_VERSION,
+        api_version=1,  # the model interface these are written against (a literal, as AUTHORING asks)
         description=description,
         priority=BUILTIN_PRIORITY,
     )

@@ -10,7 +10,8 @@ plugin; pytest then runs the whole suite against it::
         options = {"strength": 0.5}
 
 Kinds: ``AttentionConformance``, ``QuantConformance`` (give a ``QuantFixture``
-per checkpoint format: how to write one, and how your format decodes it),
+per quant format: how to write a checkpoint in it, and how your method decodes it),
+``CheckpointFormatConformance`` (a ``fixture`` writing a tiny model in your format),
 ``CommConformance``, ``KVConnectorConformance``, ``SamplerConformance`` and
 ``HooksConformance`` (``plugin`` is the ``fw.hooks`` entry-point name). fw's own tests run every suite against a
 deliberately broken plugin of its kind, which must fail it.
@@ -34,16 +35,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fw import distributed, model_registry, plugins
-from fw.interfaces import attention, comm, kvconnector, quant, sampler
+from fw import distributed, model_registry, plugins, validate
+from fw.interfaces import attention, checkpoint_format, comm, kvconnector, quant, sampler
 from fw.interfaces.sampler import SamplingBatch
-from fw.sampling_params import SamplingParams
+from fw.interfaces.spec import PluginSpec, canonical_kind
+from fw.sdk.sampling_params import SamplingParams
 
 BASES: dict[str, type] = {
     "attention": attention.AttentionBackend,
     "quant": quant.QuantMethod,
     "comm": comm.Communicator,
     "sampler": sampler.Sampler,
+    "checkpoint_format": checkpoint_format.CheckpointFormat,
 }
 
 
@@ -57,7 +60,7 @@ class PluginConformance:
     options: ClassVar[dict[str, Any]] = {}
 
     @property
-    def spec(self) -> plugins.PluginSpec:
+    def spec(self) -> PluginSpec:
         return plugins.get_spec(self.kind, self.plugin)
 
     def device(self) -> str:
@@ -77,7 +80,7 @@ class PluginConformance:
 
     def test_spec_is_well_formed(self) -> None:
         spec = self.spec
-        assert plugins.canonical_kind(spec.kind) == self.kind and spec.name == self.plugin
+        assert canonical_kind(spec.kind) == self.kind and spec.name == self.plugin
         assert isinstance(spec.capabilities, plugins.RECORDS[self.kind])
         assert spec.description, "describe the plugin in one sentence"
         assert spec.capabilities.devices, "declare at least one device"
@@ -284,7 +287,7 @@ def plain_checkpoint(plain: Path, _out: Path) -> Path:
 
 def plain_weights(checkpoint: Path, _options: Any) -> Iterable[tuple[str, torch.Tensor]]:
     """The ``none`` format's dequantized weights: the checkpoint's own."""
-    from fw.model_loader import iter_safetensors
+    from fw.sdk.checkpoint import iter_safetensors
 
     return iter_safetensors(checkpoint)
 
@@ -319,6 +322,11 @@ class _DenseLinear(quant.LinearMethod):
 class _DenseReference(quant.QuantMethod):
     def get_linear_method(self, spec: quant.LinearSpec) -> quant.LinearMethod:
         return _DenseLinear()
+
+
+def _reader(path: Path) -> checkpoint_format.CheckpointFormat:
+    """The checkpoint format the engine reads ``path`` with."""
+    return validate.checkpoint_format(str(path)).load()()
 
 
 def _load(hf_config: dict, method: quant.QuantMethod, weights, dtype: torch.dtype, device: str):
@@ -360,11 +368,10 @@ class QuantConformance(PluginConformance):
         """Format -> (its checkpoint, the config the engine reads for it)."""
         suite = cls()
         suite.device()  # skips where the plugin cannot run: writing and reading its format may need its dependencies
-        impl, options = suite.spec.load(), suite.spec.parse_options(cls.options)
         out = {}
         for fmt in sorted(suite.spec.capabilities.formats & set(cls.fixtures)):
             path = cls.fixtures[fmt].build(plain, tmp_path_factory.mktemp(f"quant-{fmt}"))
-            out[fmt] = path, model_registry.read_hf_config(str(path)) or impl(options).checkpoint_config(str(path))
+            out[fmt] = path, _reader(path).config(str(path))
         return out
 
     def _dtypes(self, device: str) -> list[torch.dtype]:
@@ -409,9 +416,68 @@ class QuantConformance(PluginConformance):
             reference = self._dequantized(fmt, checkpoints)
             for dtype in self._dtypes(device):
                 method = impl(options, config.get("quantization_config"))
-                weights = method.load_checkpoint(str(path)) or plain_weights(path, None)
-                model = _load(config, method, weights, dtype, device)
+                model = _load(config, method, _reader(path).weights(str(path)), dtype, device)
                 self._compare(model, reference, device, dtype, _ROUNDING[dtype], f"{fmt} checkpoint, {dtype}")
+
+
+class CheckpointFormatConformance(PluginConformance):
+    """A tiny model written in the format (``fixture``) is claimed by it, described by its config, and loads, through
+    the quant method its config names, into the plain model: every linear layer within ``tolerance`` (the format's
+    own rounding) of the plain one's product."""
+
+    kind = "checkpoint_format"
+    # (a plain float32 checkpoint directory, an empty directory) -> a checkpoint of the same model in the format.
+    fixture: ClassVar[Callable[[Path, Path], Path]]
+    # The largest relative error |x Wq^T - x W^T| / |x W^T| of a linear layer, as in ``QuantFixture``.
+    tolerance: ClassVar[float] = 1e-5
+    architecture: ClassVar[str] = "LlamaForCausalLM"
+    # What the config must say as config.json does; the rest (dtypes, token ids) the format may know better.
+    described: ClassVar[tuple[str, ...]] = (
+        "architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+    )
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def written(cls, tmp_path_factory) -> tuple[Path, Path]:
+        """(the plain checkpoint, the same model in the format)."""
+        from fw.testing.models import make_tiny_model
+
+        cls().device()  # skips where the format's dependencies are missing: writing it may need them
+        plain = make_tiny_model(cls.architecture, tmp_path_factory.mktemp("format") / "plain")
+        return plain, cls.fixture(plain, tmp_path_factory.mktemp("format-written"))
+
+    def _format(self) -> checkpoint_format.CheckpointFormat:
+        return self.spec.load()()
+
+    def test_claims_its_checkpoints_only(self, written) -> None:
+        plain, path = written
+        assert self.spec.capabilities.claims(str(path)), f"{path.name}: not one of {sorted(self.spec.capabilities.suffixes)}"
+        assert not self.spec.capabilities.claims(str(plain)), "claims a plain model directory"
+
+    def test_config_describes_the_model(self, written) -> None:
+        plain, path = written
+        config, expected = self._format().config(str(path)), model_registry.read_hf_config(str(plain))
+        wrong = {key: (config.get(key), expected[key]) for key in self.described if config.get(key) != expected[key]}
+        assert not wrong, f"config (got, config.json's): {wrong}"
+
+    def test_weights_match_the_plain_model(self, written) -> None:
+        plain, path = written
+        reader = self._format()
+        config = reader.config(str(path))
+        model = _load(config, _quant_method(config), reader.weights(str(path)), torch.float32, "cpu")
+        reference = _load(model_registry.read_hf_config(str(plain)), _DenseReference(), plain_weights(plain, None),
+                          torch.float32, "cpu")
+        QuantConformance._compare(model, reference, "cpu", torch.float32, self.tolerance, f"{path.name} against config.json's")
+
+
+def _quant_method(config: dict) -> quant.QuantMethod:
+    """The method of the highest-priority quant plugin that loads the quant format ``config`` names."""
+    quant_config = config.get("quantization_config") or {}
+    quant_format = quant_config.get("quant_method") or "none"
+    specs = {s for s in plugins.available("quant").values() if quant_format in s.capabilities.formats}
+    assert specs, f"no installed quant plugin loads {quant_format!r}, the quant format the config names"
+    spec = max(specs, key=lambda s: s.priority)
+    return spec.load()(spec.parse_options(None), quant_config)
 
 
 # Every collective of fw.interfaces.comm.Communicator that _comm_worker exercises; the suite fails when the
@@ -685,8 +751,9 @@ class HooksConformance:
     def test_hooks_keep_their_contracts(self, tmp_path: Path) -> None:
         from pydantic import BaseModel
 
-        from fw.config import CliOption, config_class, load_config
+        from fw.config import config_class, load_config
         from fw.interfaces.base import Requirements
+        from fw.interfaces.hooks import CliOption
 
         for sections in self._only_mine("fw_config_sections")():
             for name, model in sections.items():

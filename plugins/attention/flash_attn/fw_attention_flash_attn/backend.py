@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from fw import kv_quant
 from fw.interfaces.attention import AttentionBackend, AttentionBatch, AttentionLayerSpec
+from fw.sdk import kv_quant
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ One record serves both versions, so it states what FA2 accepts; FA3 (used instea
 
 from fw.interfaces import attention
 from fw.interfaces.base import frozen
-from fw.plugins import PluginSpec
+from fw.interfaces.spec import PluginSpec
 
 # FA2's paged path refuses a page (block) size not divisible by 256 (csrc/flash_attn/flash_api.cpp). The record
 # holds a finite set: the multiples of 256 up to 2048.
@@ -30,7 +30,7 @@ SPEC = PluginSpec(
         kv_cache_dtypes=frozen("auto"),
         requires_modules=("flash_attn",),
     ),
-    api_version=attention.API_VERSION,
+    api_version=1,
     description=(
         "FlashAttention paged-KV attention (flash-attn >= 2.6; FA3's kernels on Hopper when installed): mixed "
         "prefill chunks and decodes, GQA, sliding window, logit soft cap; needs a CUDA GPU with compute "

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from fw import kv_quant
 from fw.interfaces.attention import AttentionBackend, AttentionBatch, AttentionLayerSpec
+from fw.sdk import kv_quant
 
 INSTALL_HINT = (
     "the flashinfer attention backend needs a CUDA GPU (compute capability >= 8.0) and the "

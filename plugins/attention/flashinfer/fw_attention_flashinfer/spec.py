@@ -5,7 +5,7 @@ Imports only fw.plugins / fw.interfaces: listing plugins must not load torch or 
 
 from fw.interfaces import attention
 from fw.interfaces.base import frozen
-from fw.plugins import PluginSpec
+from fw.interfaces.spec import PluginSpec
 
 SPEC = PluginSpec(
     name="flashinfer",
@@ -20,7 +20,7 @@ SPEC = PluginSpec(
         kv_cache_dtypes=frozen("auto", "fp8"),
         requires_modules=("flashinfer",),
     ),
-    api_version=attention.API_VERSION,
+    api_version=1,
     description=(
         "FlashInfer paged-KV attention (mixed prefill chunks and decodes, GQA, sliding window, logit soft cap, "
         "fp8 KV cache); "
@@ -46,7 +46,7 @@ SPEC_MLA = PluginSpec(
         mla_dims=frozenset({(512, 64)}),
         requires_modules=("flashinfer",),
     ),
-    api_version=attention.API_VERSION,
+    api_version=1,
     description=(
         "FlashInfer multi-head latent attention (DeepSeek-V2/V3: kv_lora_rank 512, qk_rope_head_dim 64), absorbed, "
         "for mixed prefill chunks and decodes; needs a CUDA GPU with compute capability >= 8.0 and flashinfer-python."

@@ -4,7 +4,7 @@ Per step, ``prepare`` turns each request's block table into the cache slots
 of its keys, in position order. Per layer, ``forward`` scatters the new K/V
 into the cache at ``slot_mapping`` and then attends: requests with several
 new tokens (prefill, or a prefill chunk on top of cached context) one at a
-time, all one-token requests (decode) together. Both are ``fw.kernels``
+time, all one-token requests (decode) together. Both are ``fw.sdk.kernels``
 operations, whose candidates a layer's first step times per CPU and shape
 class (head size and counts, dtypes, device, window and soft cap):
 
@@ -30,7 +30,7 @@ position ``S - Q + j`` and sees the keys up to its own position (with a
 sliding window W, only the last W of them). That one rule covers fresh
 prefill, chunked prefill against cached context, and decode.
 
-Every KV-cache dtype of ``fw.kv_quant`` is read by every candidate: the torch
+Every KV-cache dtype of ``fw.sdk.kv_quant`` is read by every candidate: the torch
 ones dequantize the keys and values they gather, the native kernel each row
 as it reads it.
 
@@ -52,8 +52,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fw import kernels, kv_quant, native
 from fw.interfaces.attention import AttentionBackend, AttentionBatch, AttentionLayerSpec
+from fw.sdk import kernels, kv_quant, native
 
 _NATIVE_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 DECODE_CONTEXT = 256  # tokens of context per request that decode candidates are timed on
@@ -296,7 +296,7 @@ class TorchAttention(AttentionBackend):
 
     def _kernels(self, layer: AttentionLayerSpec, dtype: torch.dtype, kv_cache: torch.Tensor) -> _Kernels:
         """The layer's decode and prefill kernels, chosen on its first step: timed once per shape class and CPU,
-        on random samples, and then cached (``fw.kernels``)."""
+        on random samples, and then cached (``fw.sdk.kernels``)."""
         idx = layer.layer_idx
         chosen = self._chosen[idx] if idx < len(self._chosen) else None
         if chosen is None or chosen.layer is not layer or chosen.kv_cache is not kv_cache:

@@ -1,6 +1,6 @@
 from fw.interfaces import attention
 from fw.interfaces.base import frozen
-from fw.plugins import BUILTIN_PRIORITY, PluginSpec
+from fw.interfaces.spec import BUILTIN_PRIORITY, PluginSpec
 
 SPEC = PluginSpec(
     name="torch",
@@ -12,7 +12,7 @@ SPEC = PluginSpec(
         features=frozen("sliding_window", "mla", "soft_cap"),
         kv_cache_dtypes=frozen("auto", "fp8", "int8"),
     ),
-    api_version=attention.API_VERSION,
+    api_version=1,
     description=(
         "Paged prefill and decode with torch scaled_dot_product_attention; any head size and block size; "
         "fp8 and int8 KV caches; logit soft cap; multi-head latent attention (DeepSeek-V2/V3)."

@@ -1,7 +1,7 @@
 """Triton attention backend: the paged cache in the core's standard layout, read by one kernel per layer and step.
 
 ``prepare`` cuts each request's query rows into tiles once per step (their size depends on the layer's GQA
-group, so per group size, on first use); ``forward`` writes the new K/V into the cache (``fw.kv_quant``) and
+group, so per group size, on first use); ``forward`` writes the new K/V into the cache (``fw.sdk.kv_quant``) and
 launches ``kernel.unified_attention`` over (tiles, KV heads).
 
 Multi-head latent attention runs in the absorbed form for prefill and decode alike: W_UK folds into the query
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import triton
 
-from fw import kv_quant
 from fw.interfaces.attention import AttentionBackend, AttentionBatch, AttentionLayerSpec
+from fw.sdk import kv_quant
 from fw_attention_triton.kernel import KV_AUTO, KV_FP8, KV_FP8_BITS, KV_INT8, unified_attention
 
 # Rows of a tile: tl.dot needs at least 16; a group of more query heads per KV head takes a tile of its own.

@@ -9,7 +9,7 @@ with FlashAttention's online softmax, skipping blocks wholly before the sliding 
 Keys and values may be one cache row read twice: multi-head latent attention in its absorbed form is this
 kernel with one KV head, keys the ``DK``-wide latent-and-rope row and values its first ``DV`` columns.
 
-Quantized caches dequantize as they load, as ``fw.kv_quant.read`` does: fp8 by the layer's scales, int8 by the
+Quantized caches dequantize as they load, as ``fw.sdk.kv_quant.read`` does: fp8 by the layer's scales, int8 by the
 float32 scale at column ``SCALE_COL`` of the row (keys and values share the row width), read
 through a float32 view of the cache.
 """

@@ -10,7 +10,7 @@ import os
 
 from fw.interfaces import attention
 from fw.interfaces.base import frozen
-from fw.plugins import BUILTIN_PRIORITY, PluginSpec
+from fw.interfaces.spec import BUILTIN_PRIORITY, PluginSpec
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -27,7 +27,7 @@ SPEC = PluginSpec(
         kv_cache_dtypes=frozen("auto", "fp8", "int8"),
         requires_modules=("triton",),
     ),
-    api_version=attention.API_VERSION,
+    api_version=1,
     description=(
         "Triton paged attention: one kernel for mixed prefill chunks and decodes, GQA, any head size, sliding "
         "window, logit soft cap, fp8 and int8 KV caches, and multi-head latent attention (absorbed); block sizes "

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fw.interfaces.comm import Dispatched
-from fw_comm_torch.communicator import TorchDistributed
+from fw.sdk.torch_distributed import TorchDistributed
 
 
 @dataclass

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fw.interfaces import comm
 from fw.interfaces.base import frozen
-from fw.plugins import PluginSpec
+from fw.interfaces.spec import PluginSpec
 
 
 class DeepEPOptions(BaseModel):
@@ -37,7 +37,7 @@ SPEC = PluginSpec(
         dtypes=frozen("bfloat16"),  # the kernels move bfloat16 tokens
         requires_modules=("deep_ep",),
     ),
-    api_version=comm.API_VERSION,
+    api_version=2,
     description=(
         "MoE dispatch/combine with DeepEP (normal kernels for prefill, low-latency kernels for decode) and NCCL "
         "for the other collectives; needs CUDA GPUs of compute capability >= 9.0, at least 2 of them, bfloat16 "

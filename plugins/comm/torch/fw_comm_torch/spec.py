@@ -1,11 +1,11 @@
 from fw.interfaces import comm
-from fw.plugins import PluginSpec
+from fw.interfaces.spec import PluginSpec
 
 SPEC = PluginSpec(
     name="torch",
     kind="comm",
-    impl="fw_comm_torch.communicator:TorchDistributed",
+    impl="fw.sdk.torch_distributed:TorchDistributed",
     capabilities=comm.CommCapabilities(),
-    api_version=comm.API_VERSION,
+    api_version=2,
     description="torch.distributed collectives (gloo on CPU, NCCL on CUDA).",
 )

@@ -2,7 +2,7 @@
 
 A producer writes the KV of every full prompt block to
 ``<path>/<hash>.safetensors``, where ``hash`` is the block's prefix hash
-(``fw.kv_cache.block_hash_chain`` over the prompt, its ``cache_salt`` included), so a
+(``fw.sdk.block_hash.block_hash_chain`` over the prompt, its ``cache_salt`` included), so a
 file stands for exactly one prefix. A consumer (another instance, or this one
 after a restart) given a prompt with that prefix loads the blocks instead of
 computing them. A file holds the block's K and V for every layer and appears

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fw.interfaces import kvconnector
 from fw.interfaces.base import frozen
-from fw.plugins import PluginSpec
+from fw.interfaces.spec import PluginSpec
 
 
 class DiskOptions(BaseModel):
@@ -32,7 +32,7 @@ SPEC = PluginSpec(
         devices=frozen("cpu", "cuda"),
         roles=frozen("producer", "consumer", "both"),
     ),
-    api_version=kvconnector.API_VERSION,
+    api_version=1,
     description=(
         "Saves the KV of every full prompt block to a directory, keyed by its prefix hash, and loads "
         "matching prefixes instead of computing them (across instances or restarts)."

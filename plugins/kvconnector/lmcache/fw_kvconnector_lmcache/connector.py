@@ -1,7 +1,7 @@
 """LMCache KV connector: prompt-prefix KV blocks kept in LMCache's storage backends.
 
 Every prompt block the engine computes, the last partial one included, is saved under its prefix hash
-(``fw.kv_cache.block_hash_chain`` over the prompt, its ``cache_salt`` included) through LMCache's
+(``fw.sdk.block_hash.block_hash_chain`` over the prompt, its ``cache_salt`` included) through LMCache's
 ``StorageManager``, into one backend:
 
 - ``cpu``: LMCache's RAM backend (``LocalCPUBackend``), least recently used blocks evicted;

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
 
 from fw.interfaces import kvconnector
 from fw.interfaces.base import frozen
-from fw.plugins import PluginSpec
+from fw.interfaces.spec import PluginSpec
 
 
 class LMCacheOptions(BaseModel):
@@ -64,7 +64,7 @@ SPEC = PluginSpec(
     capabilities=kvconnector.KVConnectorCapabilities(
         devices=frozen("cpu"), roles=frozen("producer", "consumer", "both"), requires_modules=("lmcache",)
     ),
-    api_version=kvconnector.API_VERSION,
+    api_version=1,
     description=(
         "Saves the KV of every prompt block, keyed by its prefix hash, into LMCache's storage (CPU RAM, local disk, "
         "or an lm:// server that instances share), and loads matching prefixes instead of computing them."

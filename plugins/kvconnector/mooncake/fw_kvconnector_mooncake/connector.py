@@ -23,7 +23,7 @@ buffer, which p2p copies into the cache on the engine's thread.
 ``store``: a Mooncake Store pool, which ``mooncake_master`` keeps the index of
 and the instances' memory holds (each adds ``segment_mb``). Every instance
 saves the prompt blocks it computes under ``<namespace>-<prefix hash>`` (the
-core's ``PrefixBlockScheduler``: ``fw.kv_cache.block_hash_chain``, the prompt's
+core's ``PrefixBlockScheduler``: ``fw.sdk.block_hash.block_hash_chain``, the prompt's
 ``cache_salt`` included), and looks its prompts up there. The prompt's last,
 partial block is saved too, as p2p's producer keeps it, so a hit leaves only
 the prompt's last token to compute. Loads are p2p's asynchronous pulls, the
@@ -62,8 +62,7 @@ from fw.interfaces.kvconnector import (  # noqa: E402
     PrefixBlockScheduler,
     SavedBlocks,
 )
-from fw_kvconnector_mooncake.spec import MooncakeOptions  # noqa: E402
-from fw_kvconnector_p2p.connector import (  # noqa: E402
+from fw.sdk.side_channel import (  # noqa: E402
     BlockBuffer,
     P2PScheduler,
     SideChannel,
@@ -71,6 +70,7 @@ from fw_kvconnector_p2p.connector import (  # noqa: E402
     recv_message,
     send_message,
 )
+from fw_kvconnector_mooncake.spec import MooncakeOptions  # noqa: E402
 
 log = logging.getLogger("fw")
 
@@ -81,7 +81,7 @@ def _bound_stalls(options: MooncakeOptions) -> None:
     os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(math.ceil(options.timeout)))
 
 
-# --- mode transfer: p2p's side channel, the bytes read by the Transfer Engine ---------------------------------
+# --- mode transfer: the side channel (fw.sdk.side_channel), the bytes read by the Transfer Engine ---------------------------------
 
 
 def start_engine(options: MooncakeOptions) -> TransferEngine:
@@ -94,7 +94,7 @@ def start_engine(options: MooncakeOptions) -> TransferEngine:
 
 
 class MooncakeSideChannel(SideChannel):
-    """p2p's side channel, and ``stage``: blocks copied into a registered buffer for a consumer's engine to read."""
+    """the side channel (fw.sdk.side_channel), and ``stage``: blocks copied into a registered buffer for a consumer's engine to read."""
 
     def __init__(self, engine: TransferEngine, session: str, *args: Any) -> None:
         self.engine, self.session = engine, session

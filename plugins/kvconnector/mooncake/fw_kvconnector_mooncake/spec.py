@@ -7,8 +7,8 @@ from pydantic import Field, model_validator
 
 from fw.interfaces import kvconnector
 from fw.interfaces.base import frozen
-from fw.plugins import PluginSpec
-from fw_kvconnector_p2p.spec import SideChannelOptions
+from fw.interfaces.spec import PluginSpec
+from fw.sdk.side_channel_options import SideChannelOptions
 
 # Options that only one mode reads: setting one in the other mode is a mistake, refused.
 TRANSFER_ONLY = ("peer", "port", "buffer_mb")
@@ -72,10 +72,10 @@ SPEC = PluginSpec(
     capabilities=kvconnector.KVConnectorCapabilities(
         devices=frozen("cpu", "cuda"), roles=frozen("producer", "consumer", "both"), requires_modules=("mooncake",)
     ),
-    api_version=kvconnector.API_VERSION,
+    api_version=1,
     description=(
         "Disaggregated prefill/decode over Mooncake (TCP or RDMA): blocks pulled point to point from a producer "
-        "(mode transfer, p2p's side channel), or saved into and loaded from a Mooncake Store pool (mode store)."
+        "(mode transfer, the side channel (fw.sdk.side_channel)), or saved into and loaded from a Mooncake Store pool (mode store)."
     ),
     options=MooncakeOptions,
 )

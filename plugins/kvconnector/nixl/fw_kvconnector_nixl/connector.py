@@ -44,8 +44,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO log speaks on every 
 from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t  # noqa: E402
 
 from fw.interfaces.kvconnector import KVConnector  # noqa: E402
-from fw_kvconnector_nixl.spec import NixlOptions  # noqa: E402
-from fw_kvconnector_p2p.connector import (  # noqa: E402
+from fw.sdk.side_channel import (  # noqa: E402
     BlockBuffer,
     P2PScheduler,
     SideChannel,
@@ -53,6 +52,7 @@ from fw_kvconnector_p2p.connector import (  # noqa: E402
     recv_message,
     send_message,
 )
+from fw_kvconnector_nixl.spec import NixlOptions  # noqa: E402
 
 # NIXL's progress thread polls UCX without pause (a whole core, even idle), so there is none: each side moves UCX
 # only while a pull is in flight, the consumer checking its read, the producer asking for notifications (which
@@ -93,7 +93,7 @@ def regions(addresses: list[int], nbytes: int) -> np.ndarray:
 
 
 class NixlSideChannel(SideChannel):
-    """p2p's side channel, and ``stage``: held blocks registered in place for a consumer's agent to read."""
+    """the side channel (fw.sdk.side_channel), and ``stage``: held blocks registered in place for a consumer's agent to read."""
 
     def __init__(self, agent: nixl_agent, *args: Any) -> None:
         self.agent = agent

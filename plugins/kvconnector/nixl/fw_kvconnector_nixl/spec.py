@@ -5,8 +5,8 @@ from pydantic import Field
 
 from fw.interfaces import kvconnector
 from fw.interfaces.base import frozen
-from fw.plugins import PluginSpec
-from fw_kvconnector_p2p.spec import SideChannelOptions
+from fw.interfaces.spec import PluginSpec
+from fw.sdk.side_channel_options import SideChannelOptions
 
 
 class NixlOptions(SideChannelOptions):
@@ -20,7 +20,7 @@ SPEC = PluginSpec(
     capabilities=kvconnector.KVConnectorCapabilities(
         devices=frozen("cpu", "cuda"), roles=frozen("producer", "consumer", "both"), requires_modules=("nixl",)
     ),
-    api_version=kvconnector.API_VERSION,
+    api_version=1,
     description=(
         "Disaggregated prefill/decode as p2p does (a side channel for lookups and the handshake), the blocks read "
         "by NVIDIA's NIXL (UCX: shared memory on one host, TCP or RDMA across hosts)."

@@ -1,7 +1,7 @@
 """Tiered offload KV connector: prompt KV kept in host RAM, then on disk, and loaded back on a prefix hit.
 
 Every full prompt block the engine computes is saved, keyed by its prefix hash
-(``fw.kv_cache.block_hash_chain`` over the prompt, its ``cache_salt`` included), into a
+(``fw.sdk.block_hash.block_hash_chain`` over the prompt, its ``cache_salt`` included), into a
 RAM tier of at most ``cpu_bytes``. Past that, the tier's least recently used
 blocks spill to a disk tier of at most ``disk_bytes`` (one file per block
 under ``path``), whose least recently used files are deleted in turn. A block

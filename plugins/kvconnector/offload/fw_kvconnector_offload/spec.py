@@ -7,7 +7,7 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 from fw.interfaces import kvconnector
 from fw.interfaces.base import frozen
-from fw.plugins import PluginSpec
+from fw.interfaces.spec import PluginSpec
 
 
 class OffloadOptions(BaseModel):
@@ -46,7 +46,7 @@ SPEC = PluginSpec(
     impl="fw_kvconnector_offload.connector:KV_CONNECTOR",
     # It saves into and loads from its own store: always both roles at once.
     capabilities=kvconnector.KVConnectorCapabilities(devices=frozen("cpu", "cuda"), roles=frozen("both")),
-    api_version=kvconnector.API_VERSION,
+    api_version=1,
     description=(
         "Keeps the KV of every full prompt block in a bounded CPU-RAM tier that spills to a bounded disk tier "
         "(least recently used first, checksummed files), and loads prefixes found there instead of computing them."

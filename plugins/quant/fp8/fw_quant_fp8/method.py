@@ -1,5 +1,5 @@
-"""8-bit linear layers (FP8 here; fw-quant-int8 reuses them for INT8): the weight stays 8-bit in memory and is
-widened inside the product.
+"""8-bit linear layers (FP8 here; the int8 method, ``fw_quant_fp8.int8``, reuses them for INT8): the weight stays
+8-bit in memory and is widened inside the product.
 
 Parameters are named after the checkpoint tensors' leaves: ``weight`` (8-bit ``[out, in]``; the float weight of
 a plain checkpoint, quantized once loaded), the weight scale (``weight_scale`` / ``weight_scale_inv``) and, for
@@ -9,7 +9,7 @@ its block's rows, so fused layers keep each sub-matrix's exact numerics. ``input
 sub-matrix; where they differ, each sub-matrix's rows see their own quantization of the input, as in the
 reference, which quantizes the input of each checkpoint module separately.
 
-FP8 products (``fw.kernels`` operation ``fp8.linear``, chosen per CPU, shape and row count by timing): ``torch``
+FP8 products (``fw.sdk.kernels`` operation ``fp8.linear``, chosen per CPU, shape and row count by timing): ``torch``
 widens the weight into the activation dtype and multiplies, ``torch-fp32`` into float32 (bf16 GEMMs are several
 times slower on CPUs without bf16 arithmetic), ``fw`` (``csrc/gemv.cpp``, CPU) widens each weight in registers
 as it reads it, at one byte a weight: the decode-sized choice, and ``triton`` (CUDA, ``triton_gemm``) widens
@@ -31,14 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fw import kernels, native
 from fw.interfaces.quant import LinearMethod, LinearSpec, MoEMethod, MoESpec, QuantMethod
-from fw.layers import dense
-from fw.layers.moe import UnquantizedMoEMethod
-from fw.model_loader import ModelLoadError
+from fw.sdk import dense, kernels, native
+from fw.sdk.errors import ModelLoadError
+from fw.sdk.linear import UnquantizedLinearMethod
+from fw.sdk.moe import UnquantizedMoEMethod
 from fw_quant_fp8.numerics import E4M3, Element, dequantize, quantize_input, quantize_rows
 from fw_quant_fp8.scheme import Scheme, Schemes
-from fw_quant_none.method import UnquantizedLinearMethod
 
 _SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fw.interfaces.quant import MoEMethod, MoESpec
-from fw.layers.activation import silu_and_mul
-from fw.layers.moe import run_experts
+from fw.sdk.activation import silu_and_mul
+from fw.sdk.moe import run_experts
 from fw_quant_fp8.method import check_blocks, load_scale, new_param
 from fw_quant_fp8.numerics import Element, dequantize, quantize_input, quantize_rows
 from fw_quant_fp8.scheme import Scheme

@@ -1,6 +1,6 @@
 """What each layer's 8-bit checkpoint tensors mean: read from ``quantization_config`` into a ``Scheme`` per layer.
 
-Three configurations name FP8 weights (the first also INT8 ones, ``type: int``, for fw-quant-int8):
+Three configurations name FP8 weights (the first also INT8 ones, ``type: int``, for the int8 plugin):
 
 - compressed-tensors (llm-compressor): ``config_groups`` whose ``weights`` are ``{type: float, num_bits: 8}``
   with ``strategy`` channel (``weight_scale [out, 1]``), tensor (one ``weight_scale``) or block
@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from fw.interfaces.quant import MOE_ROUTERS, ModuleSchemes
-from fw.model_loader import ModelLoadError
+from fw.sdk.errors import ModelLoadError
 from fw_quant_fp8.hooks import is_8bit_compressed_tensors
 from fw_quant_fp8.numerics import E4M3, Element
 

@@ -1,4 +1,5 @@
-"""The FP8 quant plugin's record. Light: imports no torch, so listing plugins stays fast."""
+"""The 8-bit quant plugins' records: fp8 and int8, two specs of one implementation (``Fp8Method``'s layers, with
+float or integer elements). Light: imports no torch, so listing plugins stays fast."""
 
 from typing import Literal
 
@@ -6,11 +7,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fw.interfaces import quant
 from fw.interfaces.base import frozen
-from fw.plugins import BUILTIN_PRIORITY, PluginSpec
+from fw.interfaces.spec import BUILTIN_PRIORITY, PluginSpec
 
 
 class Fp8Options(BaseModel):
-    """The options of the 8-bit plugins (fw-quant-int8 takes the same)."""
+    """The options of both 8-bit plugins: their layers are the same."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -41,13 +42,35 @@ SPEC = PluginSpec(
         devices=frozen("cpu", "cuda"),
         dtypes=frozen("float32", "bfloat16", "float16"),
     ),
-    api_version=quant.API_VERSION,
+    api_version=2,
     description=(
         "FP8 e4m3 weights: compressed-tensors float-quantized (channel/tensor/block weight scales; dynamic "
         "per-token or static activations), vLLM/AutoFP8 quant_method fp8 (per-tensor, or DeepSeek-V3 128x128 "
         "blocks), fused experts, and plain checkpoints quantized per channel at load. Weights stay FP8 in memory "
         "and are widened in the product; activation quantization (W8A8) is emulated exactly, also on CUDA: "
         "torch._scaled_mm is not used yet."
+    ),
+    options=Fp8Options,
+    priority=BUILTIN_PRIORITY - 1,
+)
+
+INT8 = PluginSpec(
+    name="int8",
+    kind="quant",
+    impl="fw_quant_fp8.int8:Int8Method",
+    # "none": plain checkpoints, quantized as they load (--quant int8), below `none`'s priority so that auto never
+    # picks it for them.
+    capabilities=quant.QuantCapabilities(
+        formats=frozen("compressed-tensors-int8", "none"),
+        devices=frozen("cpu", "cuda"),
+        dtypes=frozen("float32", "bfloat16", "float16"),
+    ),
+    api_version=2,
+    description=(
+        "INT8 weights: compressed-tensors int-quantized (symmetric channel or tensor weight scales; int8 "
+        "activations with dynamic per-token or static scales: llm-compressor's W8A8), fused experts, and plain "
+        "checkpoints quantized per channel at load. W8A8 products are integer dot products on the CPU; "
+        "elsewhere, and for experts, activation quantization is emulated exactly."
     ),
     options=Fp8Options,
     priority=BUILTIN_PRIORITY - 1,

@@ -1,4 +1,4 @@
-"""Small 8-bit checkpoints of each format the plugin (and fw-quant-int8) loads, written from a plain one, and their
+"""Small 8-bit checkpoints of each format the fp8 and int8 plugins load, written from a plain one, and their
 dequantized weights: the plugins' ``QuantConformance`` fixtures, and what their tests load. Written from the
 formats' documentation (the tests check them against transformers + compressed-tensors)."""
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fw.model_loader import iter_safetensors
+from fw.sdk.checkpoint import iter_safetensors
 from fw_quant_fp8.numerics import E4M3, Element, dequantize, quantize_rows
 
 # Layers every format leaves in float: the MoE routers, as llm-compressor's recipes do. (The LM head and the

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFEndian, GGUFReader, LlamaFileType
 
-from fw.model_registry import ModelError
+from fw.sdk.errors import ModelError
 from fw_quant_gguf.dequant import SUPPORTED_TYPES, dequantize
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

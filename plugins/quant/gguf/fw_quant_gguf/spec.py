@@ -1,12 +1,13 @@
-"""The GGUF quant plugin's record. Light: imports neither torch nor gguf, so listing plugins stays fast."""
+"""The GGUF plugins' records: the checkpoint format (config, weights and tokenizer in one file) and the quant method
+its config names. Light: imports neither torch nor gguf, so listing plugins stays fast."""
 
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fw.interfaces import quant
+from fw.interfaces import checkpoint_format, quant
 from fw.interfaces.base import frozen
-from fw.plugins import BUILTIN_PRIORITY, PluginSpec
+from fw.interfaces.spec import BUILTIN_PRIORITY, PluginSpec
 
 
 class GGUFOptions(BaseModel):
@@ -38,7 +39,7 @@ SPEC = PluginSpec(
         dtypes=frozen("float32", "bfloat16", "float16"),
         requires_modules=("gguf",),
     ),
-    api_version=quant.API_VERSION,
+    api_version=2,
     description=(
         "llama.cpp GGUF files (llama, qwen2, qwen3; F32/F16/BF16, Q4_0-Q8_0 and Q2_K-Q6_K weights) with the "
         "tokenizer and chat template they carry. Linear weights stay in their ggml blocks and are dequantized "
@@ -46,5 +47,18 @@ SPEC = PluginSpec(
         "whole across ranks, and a row-parallel layer's share of the input features must be whole blocks."
     ),
     options=GGUFOptions,
+    priority=BUILTIN_PRIORITY,
+)
+
+FORMAT = PluginSpec(
+    name="gguf",
+    kind="checkpoint_format",
+    impl="fw_quant_gguf.format:GGUFFormat",
+    capabilities=checkpoint_format.CheckpointFormatCapabilities(suffixes=frozen(".gguf"), requires_modules=("gguf",)),
+    api_version=checkpoint_format.API_VERSION,
+    description=(
+        "llama.cpp GGUF files: the config, the weights (linear ones as their ggml blocks, for the gguf quant method) "
+        "and the tokenizer with its chat template, all in one file."
+    ),
     priority=BUILTIN_PRIORITY,
 )

@@ -22,8 +22,8 @@ from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from fw.model_registry import ModelError
-from fw.tokenizer import Tokenizer
+from fw.sdk.errors import ModelError
+from fw.sdk.tokenizer import Tokenizer
 from fw_quant_gguf.checkpoint import metadata
 
 log = logging.getLogger("fw")

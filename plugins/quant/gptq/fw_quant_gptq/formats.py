@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 
 from fw.interfaces.quant import MOE_ROUTERS, ModuleSchemes
-from fw.model_loader import ModelLoadError
+from fw.sdk.errors import ModelLoadError
 
 # AWQ's interleaved nibble order: output 8c + j of a packed word sits at nibble AWQ_NIBBLE[j].
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)

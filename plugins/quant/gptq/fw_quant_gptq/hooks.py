@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fw import hookimpl
+from fw.interfaces.hooks import hookimpl
 
 FORMAT = "pack-quantized"
 

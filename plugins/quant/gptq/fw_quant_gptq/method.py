@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from fw.interfaces.quant import LinearMethod, LinearSpec, MoEMethod, MoESpec, QuantMethod
-from fw.layers.activation import silu_and_mul
-from fw.layers.moe import UnquantizedMoEMethod, run_experts
-from fw.model_loader import ModelLoadError
+from fw.sdk.activation import silu_and_mul
+from fw.sdk.errors import ModelLoadError
+from fw.sdk.linear import UnquantizedLinearMethod
+from fw.sdk.moe import UnquantizedMoEMethod, run_experts
 from fw_quant_gptq.formats import Scheme, Schemes, decode, in_features
 from fw_quant_gptq.packed import Product, repack
-from fw_quant_none.method import UnquantizedLinearMethod
 
 
 def _leaves(scheme: Scheme, out: int, width: int) -> dict[str, tuple[tuple[int, ...], torch.dtype, int, int | None]]:

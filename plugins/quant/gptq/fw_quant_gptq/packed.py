@@ -12,7 +12,7 @@ decoded once to ``q``, ``zero`` and ``scale`` and repacked here into ``IntWeight
 - act-order (GPTQ ``desc_act``, a permuted ``g_idx``): the input features are sorted by group once at load
   (``perm``), which makes every group contiguous; the product then permutes the activation once per call.
 
-Products (``fw.kernels`` operation ``int.linear``, chosen per CPU, shape and row count by timing): ``fw``
+Products (``fw.sdk.kernels`` operation ``int.linear``, chosen per CPU, shape and row count by timing): ``fw``
 (``csrc/gemv.cpp``, CPU) decodes each block in registers as it reads it, at half a byte (or a byte) a weight:
 the decode-sized choice. ``torch`` / ``torch-fp32`` dequantize a chunk of rows at a time into the activation
 dtype / float32 and multiply: the prefill-sized choice. ``triton`` (CUDA, ``triton_gemm``) decodes tiles
@@ -28,10 +28,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fw import kernels, native
-from fw.layers import dense
-from fw.layers.linear import int_block_rounded
-from fw.model_loader import ModelLoadError
+from fw.sdk import dense, kernels, native
+from fw.sdk.errors import ModelLoadError
+from fw.sdk.linear import int_block_rounded
 
 BLOCK = 32  # weights per 4-bit block (and the native kernel's unit)
 _SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"

@@ -1,4 +1,5 @@
-"""The GPTQ quant plugin's record. Light: imports no torch, so listing plugins stays fast."""
+"""The integer-weight quant plugins' records: gptq and awq, two specs of one implementation (``IntMethod`` reads
+every integer layout, repacked at load into one form). Light: imports no torch, so listing plugins stays fast."""
 
 from typing import Literal
 
@@ -6,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fw.interfaces import quant
 from fw.interfaces.base import frozen
-from fw.plugins import BUILTIN_PRIORITY, PluginSpec
+from fw.interfaces.spec import BUILTIN_PRIORITY, PluginSpec
 
 
 class IntOptions(BaseModel):
@@ -29,12 +30,32 @@ SPEC = PluginSpec(
         devices=frozen("cpu", "cuda"),
         dtypes=frozen("float32", "bfloat16", "float16"),
     ),
-    api_version=quant.API_VERSION,
+    api_version=2,
     description=(
         "GPTQ v1/v2 checkpoints (AutoGPTQ, GPTQModel, optimum: 4 or 8 bits, symmetric or not, group sizes or "
         "per channel, act-order) and compressed-tensors pack-quantized W4A16/W8A16 (llm-compressor), linear "
         "layers and experts. Weights stay packed and are decoded in the product: a native CPU kernel for "
         "decode-sized batches, dequantized chunks for prefill, a Triton GEMM on CUDA."
+    ),
+    options=IntOptions,
+    priority=BUILTIN_PRIORITY,
+)
+
+# Its own name for `--quant`, its own format and description; the method, options and kernels are gptq's.
+AWQ = PluginSpec(
+    name="awq",
+    kind="quant",
+    impl="fw_quant_gptq.method:IntMethod",
+    capabilities=quant.QuantCapabilities(
+        formats=frozen("awq"),
+        devices=frozen("cpu", "cuda"),
+        dtypes=frozen("float32", "bfloat16", "float16"),
+    ),
+    api_version=2,
+    description=(
+        "AWQ checkpoints in the GEMM layout (AutoAWQ, GPTQModel's AWQ export): 4-bit weights with zero points "
+        "(zero_point: true), any group size, linear layers and experts; the GEMV, Marlin and exllama layouts "
+        "and zero_point: false are refused by name."
     ),
     options=IntOptions,
     priority=BUILTIN_PRIORITY,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from fw.interfaces.quant import MOE_ROUTERS, matches_module
-from fw.model_loader import iter_safetensors
+from fw.sdk.checkpoint import iter_safetensors
 from fw_quant_gptq.formats import AWQ_NIBBLE, V1_ONES, Scheme, Schemes, decode, in_features, pack, shift_words
 from fw_quant_gptq.packed import matrix, repack
 

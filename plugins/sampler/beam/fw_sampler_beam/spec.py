@@ -1,12 +1,12 @@
 from fw.interfaces import sampler
 from fw.interfaces.base import frozen
-from fw.plugins import PluginSpec
+from fw.interfaces.spec import PluginSpec
 
 SPEC = PluginSpec(
     name="beam",
     kind="sampler",
-    impl="fw_sampler_beam.sampler:BeamSearchSampler",
+    impl="fw.sdk.sampler:DefaultSampler",
     capabilities=sampler.SamplerCapabilities(features=frozen("seed", "logprobs", "penalties", "beam")),
-    api_version=sampler.API_VERSION,
-    description="Beam search (LLM.beam_search) on top of the default sampler, which serves ordinary requests.",
+    api_version=1,
+    description="The default sampler, with the 'beam' feature that LLM.beam_search (fw.engine.beam_search) needs.",
 )

@@ -9,7 +9,7 @@ requests without it cost nothing here):
   admission (the size bounds are options: ``max_regex_length``, ``max_repeat``).
   It then compiles the regex against the tokenizer's vocabulary into an
   outlines-core ``Index`` in the background, in one of ``compile_workers``
-  worker processes (fw.workers): some short regexes take minutes and gigabytes
+  worker processes (fw.sdk.workers): some short regexes take minutes and gigabytes
   ((a|b)*a(a|b){20}), and only a process can be stopped, so a compilation past
   ``compile_timeout`` or ``compile_memory`` fails, and one whose requests were
   all removed (aborted) is killed. Compiled indexes are shared through an LRU
@@ -45,8 +45,8 @@ import outlines_core
 import torch
 
 from fw.interfaces.sampler import RequestError
-from fw.workers import WorkerError, WorkerPool
-from fw_sampler_default.sampler import DefaultSampler
+from fw.sdk.sampler import DefaultSampler
+from fw.sdk.workers import WorkerError, WorkerPool
 from fw_sampler_outlines.constraints import check_regex, check_size, choice_regex, json_object_regex, schema_regex
 from fw_sampler_outlines.spec import OutlinesOptions
 from fw_sampler_outlines.vocab import token_bytes
@@ -55,8 +55,8 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
 
     from fw.interfaces.sampler import SamplingBatch
-    from fw.sampling_params import SamplingParams, StructuredOutputsParams
-    from fw.tokenizer import Tokenizer
+    from fw.sdk.sampling_params import SamplingParams, StructuredOutputsParams
+    from fw.sdk.tokenizer import Tokenizer
 
 log = logging.getLogger("fw.sampler.outlines")
 

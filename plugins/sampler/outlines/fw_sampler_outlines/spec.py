@@ -3,7 +3,7 @@ from pydantic import BaseModel, ByteSize, Field
 
 from fw.interfaces import sampler
 from fw.interfaces.base import frozen
-from fw.plugins import PluginSpec
+from fw.interfaces.spec import PluginSpec
 
 
 class OutlinesOptions(BaseModel, extra="forbid"):
@@ -33,7 +33,7 @@ SPEC = PluginSpec(
     capabilities=sampler.SamplerCapabilities(
         features=frozen("seed", "logprobs", "penalties", "structured"), requires_modules=("outlines_core", "jsonschema")
     ),
-    api_version=sampler.API_VERSION,
+    api_version=1,
     priority=2,  # "auto" prefers it to default: a superset, and unconstrained requests cost the same
     description="The default sampler plus structured output (JSON schema/object, regex, choice) via outlines-core.",
     options=OutlinesOptions,

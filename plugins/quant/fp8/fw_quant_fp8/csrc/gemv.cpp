@@ -1,4 +1,4 @@
-// Products of a few activation rows with 8-bit weights (FP8 e4m3fn, or int8 for fw-quant-int8), widening each
+// Products of a few activation rows with 8-bit weights (FP8 e4m3fn, or int8 for the int8 plugin), widening each
 // weight in registers as it streams by: the weights are read once at one byte each, half of bf16's traffic, which
 // is what bounds a decode step. The CPU has no FP8 arithmetic; a weight's bits move into a float32's exponent and
 // mantissa and one multiply by 2^120 rebiases the exponent (subnormals included), so the widening is exact.

@@ -1,0 +1,336 @@
+"""The engine core: requests in, one step at a time (schedule -> execute -> sample -> update), outputs back.
+
+Input processing (``InputProcessor``) turns prompts into Requests before they are queued; output processing
+(``OutputProcessor``) turns the step's results into RequestOutputs. The core owns the scheduler, KV cache, executor
+and sampler; its callers see it through ``SyncEngineClient`` (fw.engine.client) and hooks through ``EngineView``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from types import MappingProxyType
+
+import torch
+
+from fw import distributed, plugins
+from fw.config import FwConfig
+from fw.engine.client import EngineError, EngineStats
+from fw.engine.input_processor import InputProcessor, eos_token_ids, sequence_ids
+from fw.engine.output_processor import OutputProcessor
+from fw.executor import Executor
+from fw.inputs import PromptType
+from fw.interfaces.hooks import EngineView, StepStats
+from fw.interfaces.sampler import RequestError, SamplingBatch
+from fw.kv_cache import KVCacheManager
+from fw.outputs import RequestOutput
+from fw.platform import detect
+from fw.request import Request
+from fw.scheduler import ScheduledBatch, Scheduler
+from fw.sdk import native
+from fw.sdk.sampling_params import SamplingParams
+from fw.sdk.tokenizer import Tokenizer
+from fw.step_inputs import StepInputs
+from fw.validate import check_model
+
+log = logging.getLogger("fw")
+
+
+class LLMEngine:
+    def __init__(self, config: FwConfig) -> None:
+        self.config = config
+        device = detect(config.model.device)
+        plugins.configure(config)
+        model = check_model(config, device)
+        result, hf_config = model.result, model.hf_config
+        if not result.ok:
+            raise EngineError(result.report())
+        # A replica of an expert-parallel front joined the replicas' world (fw.data_parallel); no other engine did.
+        if config.parallel.data_parallel_size not in (1, distributed.get_group("dp").world_size):
+            raise EngineError(
+                f"--data-parallel-size {config.parallel.data_parallel_size}: an engine is one replica; "
+                "fw serve runs several (fw.data_parallel)"
+            )
+        self.hook = plugins.get_plugin_manager().hook
+        eos_ids = eos_token_ids(config.model.model, hf_config)
+        self.tokenizer = model.format.tokenizer(config.model.model) or Tokenizer.from_dir(
+            config.model.tokenizer or config.model.model, eos_ids[0] if eos_ids else None
+        )
+        # Every id that ends a sequence (instruct models often have several: end-of-text and end-of-turn).
+        self.eos_token_ids = frozenset(eos_ids) | ({self.tokenizer.eos_token_id} - {None})
+        self.max_model_len = config.model.max_model_len or hf_config.get("max_position_embeddings") or 2048
+        budget = config.scheduler.max_num_batched_tokens
+        if not config.scheduler.enable_chunked_prefill and budget is not None and budget < self.max_model_len:
+            raise EngineError(
+                f"--max-num-batched-tokens {budget} is below max_model_len {self.max_model_len}: without chunked "
+                "prefill a prompt is computed in one step, so a longer one could never run; raise it, lower "
+                "--max-model-len, or leave --enable-chunked-prefill on"
+            )
+        torch.manual_seed(config.model.seed)
+        self.executor = Executor(config, result, hf_config, device.device)
+        block_size = config.cache.block_size
+        min_blocks = -(-self.max_model_len // block_size)
+        if self.executor.num_blocks < min_blocks:
+            self.executor.shutdown()
+            raise EngineError(
+                f"the KV cache holds {self.executor.num_blocks * block_size} tokens, less than one sequence of "
+                f"max_model_len {self.max_model_len}; raise --kv-cache-memory or lower --max-model-len"
+            )
+        self.kv = KVCacheManager(self.executor.num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.sampler = plugins.build("sampler", result)
+        self.scheduler = Scheduler(
+            config, self.kv, self.sampler.is_ready, plugins.build("kv_connector.scheduler", result, block_size),
+            device.device, self.max_model_len,
+        )
+        self.selected = {kind: spec.name for kind, spec in result.selected.items()}
+        vocab_size = self.executor.runner.hf_config.vocab_size
+        self.view = EngineView(
+            config, self.tokenizer, vocab_size, self.max_model_len, MappingProxyType(dict(self.selected)),
+            frozenset(result.selected["sampler"].capabilities.features),
+        )
+        self.inputs = InputProcessor(self.tokenizer, self.eos_token_ids, vocab_size, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.generators: dict[str, torch.Generator] = {}
+        self.logits_processors: dict[str, list] = {}
+        # Parallel sampling (n > 1): the client's request id -> its n sequences, which run as requests.
+        self.groups: dict[str, list[Request]] = {}
+        # Called before every forward pass: a lockstep replica (fw.engine.lockstep) opens its round there.
+        self.before_forward: Callable[[], None] | None = None
+        self._ids = itertools.count()
+        self._steps = itertools.count()
+        self._stats = EngineStats()
+        log.info(
+            "fw engine: %s; KV cache (%s) %d blocks x %d = %d tokens",
+            ", ".join(f"{k}={v}" for k, v in self.selected.items()), config.cache.kv_cache_dtype,
+            self.kv.pool.num_blocks, block_size, self.kv.pool.num_blocks * block_size,
+        )
+        self._publish_stats()
+        self.hook.fw_engine_started(engine=self.view)
+
+    # --- requests -----------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Queue a request; ``params.n`` sequences are sampled for it. Returns its id."""
+        params = params or SamplingParams()
+        if params.structured_outputs is not None and "structured" not in self.view.sampler_features:
+            raise EngineError(
+                f"structured output needs a sampler with the 'structured' feature (e.g. --sampler outlines); "
+                f"the selected sampler is {self.selected['sampler']!r}"
+            )
+        if priority and not self.scheduler.by_priority:
+            raise EngineError(f"priority {priority} needs the priority scheduling policy (scheduling_policy=priority)")
+        prompt, token_ids = self.inputs.token_ids(prompt, params)
+        masks = self.inputs.token_masks(params)
+        request_id = request_id or str(next(self._ids))
+        if request_id in self.groups or self.scheduler.id_in_use(request_id, sequence_ids(request_id, params.n)):
+            raise EngineError(f"request id {request_id!r} is already in use")
+        sequences = self.inputs.sequences(request_id, prompt, token_ids, params, priority)
+        for i, seq in enumerate(sequences):
+            try:
+                self.sampler.add_request(seq.request_id, seq.params, self.tokenizer)
+            except ValueError as exc:
+                for added in sequences[:i]:
+                    self._forget(added)
+                raise EngineError(str(exc)) from None
+            if seq.params.seed is not None:
+                self.generators[seq.request_id] = torch.Generator().manual_seed(seq.params.seed)
+            hooked = self.hook.fw_logits_processors(
+                request_id=seq.request_id, sampling_params=seq.params, engine=self.view
+            )
+            processors = masks + [p for group in hooked for p in group or []]
+            if processors:
+                self.logits_processors[seq.request_id] = processors
+        self.groups[request_id] = sequences
+        for seq in sequences:
+            self.scheduler.add(seq)
+        self.hook.fw_request_added(
+            request_id=request_id, prompt_token_ids=token_ids, sampling_params=params, engine=self.view
+        )
+        self._publish_stats()
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request (all its sequences) and free its KV blocks now."""
+        if request_id not in self.groups:
+            return None
+        for seq in self.groups[request_id]:
+            if not seq.finished:
+                self.scheduler.abort(seq.request_id)
+                self._forget(seq)
+        output = self._group_output(request_id)
+        self._publish_stats()
+        return output
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def has_live_work(self) -> bool:
+        """Whether a step has anything to do: requests, or KV transfers only the worker's reports complete."""
+        return bool(self.groups) or self.scheduler.kv_pending
+
+    def last_admitted(self) -> set[str]:
+        """The requests the latest step admitted: the suspects when a step fails without naming a request."""
+        return {seq.group_id for seq in self.scheduler.last_admitted}
+
+    def stats(self) -> EngineStats:
+        """The snapshot published after the latest step (or admission, or abort): safe to read from any thread."""
+        return self._stats
+
+    @property
+    def runs_workers(self) -> bool:
+        """Whether worker processes (tensor or pipeline parallelism) run that only ``shutdown()`` stops."""
+        return self.executor.comm_cls is not None
+
+    # --- the loop -----------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        finally:
+            self._publish_stats()
+
+    @torch.inference_mode()
+    def _step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.kv_pending:  # nothing to compute, but the connector's transfers need the worker
+                self._execute(self.scheduler.step_inputs(batch))
+                self.scheduler.finish_transfers(self.executor.runner.kv_report)
+            if self.scheduler.waiting or self.scheduler.kv_pending:  # waiting on preparation or transfers: don't spin
+                time.sleep(0.002)
+            return []
+        inputs = self.scheduler.step_inputs(batch)
+        # Kernels built on first use run inside the forward pass: time them apart, so forward_seconds is the model's.
+        built, forward_start = native.build_seconds(), time.perf_counter()
+        logits = self._execute(inputs)
+        compile_seconds = native.build_seconds() - built
+        forward_seconds = time.perf_counter() - forward_start - compile_seconds
+        if self.scheduler.finish_transfers(self.executor.runner.kv_report):
+            # Loads failed: those requests went back to the queue to compute their tokens, and this step's
+            # results are dropped for all (nothing was sampled or accounted yet); the next step runs the rest again.
+            return []
+        self.outputs.record_prompt_logprobs(batch, inputs, logits[len(inputs.sample_rows) :])
+        tokens, logprobs = self._sample(batch, inputs.sample_rows, logits[: len(inputs.sample_rows)])
+        # Before update(): it advances each request past this step's tokens.
+        decodes = sum(
+            n == 1 and c >= len(r.prompt_token_ids)
+            for r, c, n in zip(batch.requests, inputs.num_computed, inputs.num_new, strict=True)
+        )
+        for seq in self.scheduler.update(batch, inputs, tokens, logprobs):
+            self._forget(seq)
+        self.hook.fw_step_stats(
+            stats=StepStats(
+                step=next(self._steps),
+                num_prefill_tokens=batch.num_tokens - decodes,
+                num_decode_tokens=decodes,
+                num_scheduled=len(batch.requests),
+                num_preempted=len(batch.preempted),
+                num_running=len(self.scheduler.running),
+                num_waiting=len(self.scheduler.waiting),
+                kv_cache_usage=self.kv.usage(),
+                prefix_cache_hit_rate=self.kv.prefix_cache_hit_rate(),
+                forward_seconds=forward_seconds,
+                compile_seconds=compile_seconds,
+                step_seconds=time.perf_counter() - start,
+            ),
+            engine=self.view,
+        )
+        return [self._group_output(group) for group in dict.fromkeys(r.group_id for r in batch.requests)]
+
+    def _execute(self, inputs: StepInputs) -> torch.Tensor:
+        if self.before_forward is not None:
+            self.before_forward()
+        return self.executor.execute(inputs)
+
+    def _sample(self, batch: ScheduledBatch, rows: list[int], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        if not rows:
+            return [], []
+        requests = [batch.requests[i] for i in rows]
+        # A failure pinned on requests raises RequestError naming them, before any state changes: the caller
+        # fails those and steps again without them (AsyncEngine does).
+        errors: dict[str, Exception] = {}
+        for row, request in enumerate(requests):
+            try:
+                for processor in self.logits_processors.get(request.request_id, ()):
+                    logits[row] = processor(request.output_token_ids, logits[row])
+            except Exception as exc:  # noqa: BLE001 - the request's own processor: it alone fails
+                errors[request.group_id] = exc
+        if errors:
+            raise RequestError(errors)
+        try:
+            out = self.sampler.sample(logits, self._sampling_batch(requests))
+        except RequestError as exc:  # the sampler names sequences: fail their requests
+            groups = {r.request_id: r.group_id for r in requests}
+            raise RequestError({groups.get(seq, seq): error for seq, error in exc.errors.items()}) from None
+        except Exception as exc:
+            if culprits := self._failing_rows(requests, logits):
+                raise RequestError(culprits) from exc
+            raise
+        tokens = out.token_ids.tolist()
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        self.outputs.record_sample_logprobs(requests, tokens, out, logprobs)
+        return tokens, logprobs
+
+    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
+        params = [r.params for r in requests]
+        return SamplingBatch(
+            request_ids=[r.request_id for r in requests],
+            params=params,
+            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32),
+            all_greedy=all(p.greedy for p in params),
+            generators=[self.generators.get(r.request_id) for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+
+    def _failing_rows(self, requests: list[Request], logits: torch.Tensor) -> dict[str, Exception]:
+        """The requests whose rows fail to sample on their own: a failed batch is pinned on them alone."""
+        errors: dict[str, Exception] = {}
+        for row, request in enumerate(requests):
+            try:
+                self.sampler.sample(logits[row : row + 1].clone(), self._sampling_batch([request]))
+            except Exception as exc:  # noqa: BLE001 - collected, raised as one RequestError
+                errors[request.group_id] = exc
+        return errors
+
+    def _group_output(self, request_id: str) -> RequestOutput:
+        output = self.outputs.request_output(request_id, self.groups[request_id])
+        if output.finished:
+            del self.groups[request_id]
+            self.hook.fw_request_finished(request_id=request_id, output=output, engine=self.view)
+        return output
+
+    def _forget(self, seq: Request) -> None:
+        """Drop a finished sequence's per-request state everywhere."""
+        self.generators.pop(seq.request_id, None)
+        self.logits_processors.pop(seq.request_id, None)
+        self.sampler.remove_request(seq.request_id)
+
+    def _publish_stats(self) -> None:
+        """Replace the stats snapshot (one reference: a reader on another thread sees the old or the new one)."""
+        transfers = self.scheduler.transfers
+        self._stats = EngineStats(
+            running=len(self.scheduler.running),
+            waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv.usage(),
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            kv_connector=replace(transfers.stats) if transfers.connector is not None else None,
+        )
+
+    def shutdown(self) -> None:
+        if self.executor.runner.kv_connector is not None:
+            self.executor.runner.kv_connector.shutdown()
+        self.executor.shutdown()
+        plugins.unconfigure(self.config)

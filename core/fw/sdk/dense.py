@@ -1,0 +1,180 @@
+"""Products with dense (unquantized) weight matrices, chosen per CPU and shape by measurement.
+
+Two operations of ``fw.sdk.kernels``, each with candidates that the first load of
+a shape times (``benchmarks/RESULTS.md`` has the numbers per CPU):
+
+``dense.linear`` (bf16 weights on the CPU):
+- ``fw``: fw's AVX512-BF16 kernel (``fw/csrc/dense.cpp``) on the weight in
+  pair-interleaved 16-column blocks, ``[out / 16, in / 2, 16, 2]``. On Zen 4 it
+  beat oneDNN at 1-32 rows; on an AMX Xeon oneDNN beat it 2x at 32 rows.
+- ``onednn``: oneDNN's own prepacked layout (AMX where the CPU has it).
+- ``fw-plain``: fw's kernel for CPUs without AVX512-BF16 (``plain_linear`` in
+  ``fw/csrc/dense.cpp``: AVX2 + FMA, portable code elsewhere) on the plain
+  weight, no second copy. Decode is memory-bound: it streams each weight row
+  once, widening bf16 to float32 in registers. On a 2-core Zen 3 (AVX2), the
+  weight read from memory: 14-22 GB/s at 1 row (``torch`` 15-17), 13-22 at 2
+  (``torch`` 8-10), 6-10 at 8 (``torch`` 2-3).
+- ``fw-gemm``: fw's blocked GEMM for prefill-sized inputs (``fw/csrc/gemm.cpp``):
+  it widens 16-column panels of the plain bf16 weight to float32 as it packs
+  them (no second copy) for an AVX2 6 x 16 register tile. On one Zen 3 core at
+  128-256 rows: 84-88 GFLOP/s, against 62-75 for ``torch-fp32`` and 72-83 for
+  oneDNN on a prepacked float32 copy.
+- ``torch``: ``F.linear`` on the plain weight, the reference.
+- ``torch-fp32``: the plain weight widened to float32 a chunk at a time. On a
+  CPU without bf16 arithmetic (AVX2) bf16 GEMMs are 3-8x slower than float32
+  ones from 8 rows up, and widening costs no memory.
+
+``dense.logits`` (the LM head, float32 out on every path, since bf16 logits
+turn near-ties into exact ties): ``fw`` (the same kernel storing float32),
+``fw-plain`` (the same kernel storing float32, any CPU),
+``torch-fp32`` (a float32 copy of the head) and ``torch`` (widened a chunk at
+a time, also the path off the CPU).
+
+float32 weights, and weights off the CPU, stay plain with ``F.linear``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fw.sdk import kernels, native
+
+_SOURCE = Path(__file__).parent.parent / "csrc" / "dense.cpp"
+_GEMM_SOURCE = native.INCLUDE / "gemm.cpp"
+COLUMNS = 16  # output columns per block of fw's layout
+# Weights widened to float32 at a time, here and by quant plugins that widen theirs: 4 MiB stays in cache and
+# in the allocator's pool (64 MiB chunks, mapped and faulted in afresh on every call, made widening 8x slower
+# at one row on an AVX2 EPYC).
+WIDEN_CHUNK = 1 << 20
+
+LINEAR = kernels.Operation("dense.linear", reference="torch")
+LOGITS = kernels.Operation("dense.logits", reference="torch")
+
+
+def _cpu_bf16(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+
+
+def _key(weight: torch.Tensor) -> tuple:
+    """What a choice depends on besides the machine: (out, in, dtype)."""
+    return (*weight.shape, str(weight.dtype).removeprefix("torch."))
+
+
+def _bf16_key(key: tuple) -> bool:
+    return key[2] == "bfloat16"
+
+
+def _has_native(key: tuple) -> bool:
+    return _bf16_key(key) and native.load("fw_dense", _SOURCE)
+
+
+def _has_gemm(key: tuple) -> bool:
+    return _bf16_key(key) and native.load("fw_gemm", _GEMM_SOURCE)
+
+
+def _has_fw_tiles(key: tuple) -> bool:
+    out_features, in_features, _ = key
+    return out_features % COLUMNS == 0 and in_features % 2 == 0 and _has_native(key) and torch.ops.fw_dense.supported()
+
+
+def _has_onednn(key: tuple) -> bool:
+    return _bf16_key(key) and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _fw_tiles(weight: torch.Tensor) -> torch.Tensor:
+    out_features, in_features = weight.shape
+    blocks = weight.detach().contiguous().view(out_features // COLUMNS, COLUMNS, in_features // 2, 2)
+    return blocks.permute(0, 2, 1, 3).contiguous()
+
+
+def _flat(fn):
+    """A kernel on [rows, in] as one on [..., in]."""
+
+    def run(weight: torch.Tensor, x: torch.Tensor, *args) -> torch.Tensor:
+        out = fn(weight, x.reshape(-1, x.shape[-1]), *args)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    return run
+
+
+def widened(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ b)`` in float32 from a weight of any float dtype, widened a chunk of rows at a time."""
+    rows = max(1, WIDEN_CHUNK // weight.shape[1])
+    xf = x.float()
+    out = torch.cat([F.linear(xf, chunk.float()) for chunk in weight.split(rows)], dim=-1)
+    return out if bias is None else out + bias.float()
+
+
+LINEAR.register(kernels.Candidate(
+    "fw", _flat(lambda w, x, b=None: torch.ops.fw_dense.linear(x, w, b)), _fw_tiles, "fw-tiles", _has_fw_tiles))
+LINEAR.register(kernels.Candidate(
+    "onednn", lambda w, x, b=None: torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], ""),
+    lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 1), "onednn", _has_onednn))
+LINEAR.register(kernels.Candidate(
+    "fw-plain", _flat(lambda w, x, b=None: torch.ops.fw_dense.plain_linear(x, w, b)), supports=_has_native))
+LINEAR.register(kernels.Candidate(
+    "fw-gemm", _flat(lambda w, x, b=None: torch.ops.fw_gemm.linear(x, w, b)), supports=_has_gemm))
+LINEAR.register(kernels.Candidate("torch", lambda w, x, b=None: F.linear(x, w, b)))
+LINEAR.register(kernels.Candidate(
+    "torch-fp32", lambda w, x, b=None: widened(x, w, b).to(x.dtype), supports=_bf16_key))
+
+LOGITS.register(kernels.Candidate(
+    "fw", _flat(lambda w, x: torch.ops.fw_dense.linear(x, w, None, True)), _fw_tiles, "fw-tiles", _has_fw_tiles))
+LOGITS.register(kernels.Candidate(
+    "fw-plain", _flat(lambda w, x: torch.ops.fw_dense.plain_linear(x, w, None, True)), supports=_has_native))
+LOGITS.register(kernels.Candidate(
+    "torch-fp32", lambda w, x: F.linear(x.float(), w), lambda w: w.float(), "fp32", _bf16_key))
+LOGITS.register(kernels.Candidate("torch", lambda w, x: widened(x, w)))
+
+
+def _select(op: kernels.Operation, weight: torch.Tensor) -> kernels.Selection:
+    in_features = weight.shape[1]
+    return op.select(_key(weight), weight, lambda rows: (torch.randn(rows, in_features, dtype=weight.dtype),))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` for a plain weight or one ``pack_parameter`` chose a kernel for."""
+    kernel = getattr(weight, "kernel", None)
+    if kernel is not None:
+        return kernel(x, bias)
+    return F.linear(x, weight, bias)
+
+
+def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` in float32, never rounded to the activation dtype, for a plain or ``pack_logits``-ed weight."""
+    kernel = getattr(weight, "kernel", None)
+    if kernel is not None:
+        return kernel(x)
+    if weight.dtype == torch.float32:
+        return F.linear(x.float(), weight)
+    return widened(x, weight)
+
+
+def _with_kernel(weight: torch.Tensor, op: kernels.Operation) -> torch.Tensor:
+    """The weight in the layout its decode-sized kernel reads, carrying the selection as ``.kernel``."""
+    selection = _select(op, weight)
+    primary = selection.states[0]
+    primary.kernel = selection
+    return primary
+
+
+def pack_parameter(module: torch.nn.Module, name: str = "weight") -> None:
+    """Choose ``module.<name>``'s kernel and swap the weight for the layout it reads, in place (a buffer:
+    packed tensors are no parameters). Where row classes chose a second layout, it is kept as ``<name>_1``."""
+    weight = getattr(module, name)
+    if not _cpu_bf16(weight):
+        return
+    packed = _with_kernel(weight, LINEAR)
+    if packed is not weight:
+        delattr(module, name)
+        module.register_buffer(name, packed, persistent=False)
+    for i, extra in enumerate(packed.kernel.states[1:], 1):
+        module.register_buffer(f"{name}_{i}", extra, persistent=False)
+
+
+def pack_logits(weight: torch.Tensor) -> torch.Tensor:
+    """The LM head's weight for ``logits``, with its kernel chosen (unchanged off the CPU or in float32)."""
+    return _with_kernel(weight, LOGITS) if _cpu_bf16(weight) else weight

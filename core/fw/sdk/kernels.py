@@ -1,0 +1,386 @@
+"""Kernel choice by measurement: which implementation of a hot operation runs, per CPU and shape.
+
+A kernel that wins on one CPU can lose 2x on the next (fw's AVX512-BF16
+dense kernel against oneDNN's AMX path; bf16 ``F.linear`` against widening to
+float32 on a CPU without bf16 arithmetic), so nothing here is chosen by
+assumption. An ``Operation`` (``dense.linear``, ``gguf.linear``, ...) holds
+``Candidate`` implementations, which the core and plugins ``register``. The
+first time a layer of a new shape loads, ``Operation.select`` times every
+candidate that supports it on a few row counts (decode to prefill sizes) and
+keeps the fastest for each. The choice is cached on disk, keyed by CPU model,
+CPU flags, thread count and library versions, so later starts time nothing.
+A choice remembers which candidates it was made among: one made while fewer
+could run (``FW_NATIVE=0``, a native build that failed) is timed again once
+more can. It also remembers the native libraries loaded then (``fw.sdk.native``,
+by the digest of their sources): one timed on an older version of a kernel
+is timed again.
+
+- ``FW_KERNELS=NAME`` forces candidate NAME in every operation that has one;
+  ``FW_KERNELS=dense.linear=torch,gguf.linear=fw`` forces per operation.
+- ``FW_KERNEL_CACHE=PATH`` moves the cache file (default
+  ``$XDG_CACHE_HOME/fw/kernels.json``); a corrupt file is ignored and rebuilt.
+
+A candidate prepares the weight once (its layout: a packed copy, a float32
+copy, or the weight as is) and then runs ``run(state, x, *args)``. Where two
+row classes prefer different layouts, the layer keeps a second copy only if
+it is at least ``LAYOUT_GAIN`` times faster there: memory is not spent for noise.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import math
+import os
+import platform
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fw.sdk import native
+
+logger = logging.getLogger(__name__)
+
+ROWS = (1, 8, 32, 256)  # rows of x the candidates are timed on: decode, small batch, batch, prefill chunk
+LAYOUT_GAIN = 1.25  # a second weight layout must be this much faster for its row class
+MEASURE_S = 0.02  # time per candidate and row class (at least one call, at most MAX_CALLS)
+MAX_CALLS = 5
+SLOWER_CUTOFF = 3.0  # a candidate this much slower than the best on its first call is not timed again
+BUSY_SHARE = 0.1  # a choice timed while other processes took more of the CPUs than this is not cached
+CACHE_VERSION = 2  # 2: each choice records the candidates it was made among
+_clock = time.perf_counter  # tests replace it
+
+
+def importable(module: str) -> bool:
+    """Whether ``module`` is installed (for a candidate's ``supports``), found without importing it."""
+    return importlib.util.find_spec(module) is not None
+
+
+def _identity(weight: Any) -> Any:
+    return weight
+
+
+def _always(key: tuple) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One implementation of an operation.
+
+    ``supports(key)`` says whether it runs the shape (and dtype, device) ``key`` on this machine;
+    ``prepare(weight)`` builds what ``run(state, x, *args)`` reads, once per layer; candidates with the
+    same ``layout`` share that state.
+    """
+
+    name: str
+    run: Callable[..., torch.Tensor]
+    prepare: Callable[[Any], Any] = _identity
+    layout: str = "plain"
+    supports: Callable[[tuple], bool] = _always
+
+
+@dataclass
+class Selection:
+    """An operation's choice for one layer: the candidate and prepared state per row class."""
+
+    op: str
+    key: tuple
+    names: tuple[str, ...]  # per row class
+    _bounds: list[float] = field(repr=False)
+    _entries: list[tuple[Callable[..., torch.Tensor], Any]] = field(repr=False)
+
+    def __call__(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        run, state = self._entries[bisect.bisect_left(self._bounds, x.numel() // x.shape[-1])]
+        return run(state, x, *args)
+
+    @property
+    def states(self) -> list[Any]:
+        """Each distinct prepared state once (the layer's memory for this weight)."""
+        seen: dict[int, Any] = {}
+        for _, state in self._entries:
+            seen.setdefault(id(state), state)
+        return list(seen.values())
+
+
+class Operation:
+    """A hot operation and its candidates. ``reference`` names the candidate every other one is tested
+    against; ``rows`` are the row classes timed (an input goes to the nearest class, geometrically)."""
+
+    def __init__(self, name: str, reference: str, rows: Sequence[int] = ROWS) -> None:
+        self.name = name
+        self.reference = reference
+        self.rows = tuple(rows)
+        self.candidates: dict[str, Candidate] = {}
+        self._bounds = [math.sqrt(a * b) for a, b in zip(self.rows, self.rows[1:], strict=False)]
+        _OPERATIONS[name] = self
+
+    def register(self, candidate: Candidate) -> Candidate:
+        if candidate.name in self.candidates:
+            raise ValueError(f"{self.name}: a candidate named {candidate.name!r} is registered already")
+        self.candidates[candidate.name] = candidate
+        return candidate
+
+    def supported(self, key: tuple) -> list[Candidate]:
+        return [c for c in self.candidates.values() if c.supports(key)]
+
+    def select(self, key: tuple, weight: Any, sample: Callable[[int], tuple]) -> Selection:
+        """The fastest supported candidate per row class for ``key``: forced, cached, or timed now on
+        ``sample(rows)`` (the arguments after the state) and then cached."""
+        usable = {c.name: c for c in self.supported(key)}
+        if not usable:
+            raise RuntimeError(f"{self.name}: no candidate supports {key} (registered: {', '.join(self.candidates)})")
+        forced = _forced(self.name, self.candidates)
+        if forced is not None:
+            if forced not in usable:
+                raise RuntimeError(f"FW_KERNELS forces {self.name}={forced}, which cannot run {key} here "
+                                   f"(can: {', '.join(usable)})")
+            names = (forced,) * len(self.rows)
+        else:
+            names = _UNCACHED.get((self.name, key)) or _CACHE.lookup(self.name, key, usable)
+            if names is None or len(names) != len(self.rows):
+                before = _cpu_times()
+                names = self._measure(key, weight, sample, usable)
+                others = _others_share(before, _cpu_times())
+                if others <= BUSY_SHARE:
+                    _CACHE.store(self.name, key, names, usable)
+                else:  # kept for this process, so that its layers of one shape still agree
+                    _UNCACHED[(self.name, key)] = names
+                    logger.warning("%s %s: other processes used %.0f%% of the CPUs while fw timed kernels; the "
+                                   "choice serves this process only and is measured again next time", self.name,
+                                   key, 100 * others)
+        return self._build(key, weight, names, usable)
+
+    def _build(self, key: tuple, weight: Any, names: Sequence[str], usable: dict[str, Candidate]) -> Selection:
+        states: dict[str, Any] = {}
+        entries = []
+        for name in names:
+            c = usable[name]
+            if c.layout not in states:
+                states[c.layout] = c.prepare(weight)
+            entries.append((c.run, states[c.layout]))
+        selection = Selection(self.name, key, tuple(names), self._bounds, entries)
+        _CHOSEN[(self.name, key)] = selection.names
+        return selection
+
+    def _measure(self, key: tuple, weight: Any, sample: Callable[[int], tuple],
+                 usable: dict[str, Candidate]) -> tuple[str, ...]:
+        if len(usable) == 1:
+            return (next(iter(usable)),) * len(self.rows)
+        states: dict[str, Any] = {}
+        for c in usable.values():
+            if c.layout not in states:
+                states[c.layout] = c.prepare(weight)
+        with torch.inference_mode():
+            times = [_race({n: functools.partial(c.run, states[c.layout], *sample(rows)) for n, c in usable.items()})
+                     for rows in self.rows]
+        names = _fewest_layouts(times, usable)
+        logger.info("%s %s: chose %s (%s)", self.name, key, "/".join(names), "; ".join(
+            f"{r} rows: " + ", ".join(f"{n} {t * 1e6:.0f} us" for n, t in sorted(ts.items(), key=lambda i: i[1]))
+            for r, ts in zip(self.rows, times, strict=True)))
+        return names
+
+
+def _race(calls: dict[str, Callable[[], Any]]) -> dict[str, float]:
+    """Each call's fastest time, after a warm-up call. One far slower than the best in the first round is not
+    run again. Rounds interleave the calls, so a busy machine slows them alike. A call that fails its warm-up is
+    left out: a candidate this machine cannot run after all (a library's shape or driver limits) is never chosen."""
+    for name, call in list(calls.items()):
+        try:
+            call()
+        except Exception as exc:
+            logger.warning("kernel candidate %s failed here and is not chosen: %s", name, exc)
+            del calls[name]
+    fastest = {name: _once(call) for name, call in calls.items()}
+    best = min(fastest.values())
+    racing = [name for name, t in fastest.items() if t <= SLOWER_CUTOFF * best]
+    spent = sum(fastest.values())
+    for _ in range(MAX_CALLS - 1):
+        if spent >= MEASURE_S * len(racing):
+            break
+        for name in racing:
+            took = _once(calls[name])
+            fastest[name], spent = min(fastest[name], took), spent + took
+    return fastest
+
+
+def _once(call: Callable[[], Any]) -> float:
+    start = _clock()
+    call()
+    return _clock() - start
+
+
+def _cpu_times() -> tuple[int, int, float] | None:
+    """(busy, total) jiffies of the whole machine and this process's CPU seconds; None off Linux."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    own = os.times()
+    return sum(fields) - idle, sum(fields), own.user + own.system
+
+
+def _others_share(before: tuple[int, int, float] | None, after: tuple[int, int, float] | None) -> float:
+    """The share of the machine's CPU time that other processes took between two ``_cpu_times``: a timing
+    taken then says more about them than about the kernels (on 2 cores one busy neighbour reversed choices)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return 0.0
+    ours = (after[2] - before[2]) * os.sysconf("SC_CLK_TCK")
+    return max(0.0, (after[0] - before[0] - ours) / (after[1] - before[1]))
+
+
+def _fewest_layouts(times: list[dict[str, float]], usable: dict[str, Candidate]) -> tuple[str, ...]:
+    """Per row class the fastest candidate, but within the layouts already kept unless another is
+    ``LAYOUT_GAIN`` times faster. The decode class (first) chooses freely: it runs most steps."""
+    kept: set[str] = set()
+    names = []
+    for row_times in times:
+        fastest = min(row_times, key=row_times.__getitem__)
+        in_kept = [n for n in row_times if usable[n].layout in kept]
+        if in_kept:
+            best_kept = min(in_kept, key=row_times.__getitem__)
+            if row_times[best_kept] <= LAYOUT_GAIN * row_times[fastest]:
+                fastest = best_kept
+        kept.add(usable[fastest].layout)
+        names.append(fastest)
+    return tuple(names)
+
+
+def _forced(op: str, candidates: dict[str, Candidate]) -> str | None:
+    """FW_KERNELS' choice for ``op``: ``op=name`` applies to that operation; a bare name to every operation
+    that has a candidate of that name."""
+    spec = os.environ.get("FW_KERNELS", "").strip()
+    if not spec:
+        return None
+    for item in spec.split(","):
+        target, sep, name = item.strip().rpartition("=")
+        if sep and target == op:
+            return name
+        if not sep and name in candidates:
+            return name
+    return None
+
+
+@functools.cache
+def _cpu() -> tuple[str, str]:
+    """The CPU's model name and its sorted flags (``/proc/cpuinfo``; Linux on x86 and Arm)."""
+    model, flags = "", ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = (part.strip() for part in line.partition(":"))
+            if name == "model name" and not model:
+                model = value
+            elif name in ("flags", "Features") and not flags:
+                flags = value
+    except OSError:
+        pass
+    return model or platform.processor() or platform.machine(), " ".join(sorted(flags.split()))
+
+
+def machine() -> dict[str, Any]:
+    """What a kernel's speed depends on besides the shape: the cache key and ``fw bench``'s header."""
+    model, flags = _cpu()
+    # The installed distribution's version: the SDK reads nothing of fw outside itself and the interfaces.
+    return {"cpu": model, "flags": flags, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "fw": importlib.metadata.version("fw-core")}
+
+
+def relevant_flags(flags: str) -> str:
+    """The vector and matrix extensions among ``flags``: what decides between kernels."""
+    prefixes, parts = ("avx", "amx", "fma", "f16c", "sve", "neon", "asimd"), ("vnni", "bf16", "fp16", "i8mm")
+    return " ".join(f for f in flags.split() if f.startswith(prefixes) or any(p in f for p in parts))
+
+
+class _Cache:
+    """Choices on disk: ``{"version", "machines": {fingerprint: {"machine": ..., "choices": {op: {key: choice}}}}}``,
+    a choice being ``{"names": per row class, "among": the candidates that could run}``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, Any] | None = None
+        self._path: Path | None = None
+
+    @property
+    def path(self) -> Path:
+        env = os.environ.get("FW_KERNEL_CACHE")
+        if env:
+            return Path(env)
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        return Path(base) / "fw" / "kernels.json"
+
+    def _machine_entry(self) -> dict[str, Any]:
+        path = self.path
+        if self._data is None or self._path != path:
+            self._path, self._data = path, self._read(path)
+        info = machine()
+        fingerprint = json.dumps(info, sort_keys=True)
+        return self._data["machines"].setdefault(fingerprint, {"machine": info, "choices": {}})
+
+    @staticmethod
+    def _read(path: Path) -> dict[str, Any]:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("version") == CACHE_VERSION and isinstance(data.get("machines"), dict):
+                return data
+            logger.warning("kernel cache %s is from another fw version; rebuilding it", path)
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, AttributeError) as exc:
+            logger.warning("kernel cache %s is unreadable (%s); rebuilding it", path, exc)
+        return {"version": CACHE_VERSION, "machines": {}}
+
+    def lookup(self, op: str, key: tuple, usable: dict[str, Any]) -> tuple[str, ...] | None:
+        """The cached choice, if it was made among exactly the candidates that can run now, and no native library
+        loaded both then and now has changed since (a kernel edited within one fw version is timed again)."""
+        with self._lock:
+            choice = self._machine_entry()["choices"].get(op, {}).get(repr(key))
+        if not isinstance(choice, dict) or choice.get("among") != sorted(usable):
+            return None
+        then, now = choice.get("builds", {}), native.builds()
+        if not isinstance(then, dict) or any(now.get(lib, digest) != digest for lib, digest in then.items()):
+            return None
+        names = choice.get("names")
+        return tuple(names) if isinstance(names, list) and all(isinstance(n, str) for n in names) else None
+
+    def store(self, op: str, key: tuple, names: tuple[str, ...], usable: dict[str, Any]) -> None:
+        with self._lock:
+            self._machine_entry()["choices"].setdefault(op, {})[repr(key)] = {
+                "names": list(names), "among": sorted(usable), "builds": native.builds()}
+            path = self.path
+            try:  # atomically: another process (a tensor-parallel rank) may read it meanwhile
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+                    json.dump(self._data, f, indent=1)
+                os.replace(f.name, path)
+            except OSError as exc:
+                logger.warning("cannot write the kernel cache %s: %s", path, exc)
+
+
+_OPERATIONS: dict[str, Operation] = {}
+_CHOSEN: dict[tuple[str, tuple], tuple[str, ...]] = {}
+_UNCACHED: dict[tuple[str, tuple], tuple[str, ...]] = {}  # choices timed on a busy machine
+_CACHE = _Cache()
+
+
+def operations() -> dict[str, Operation]:
+    """Every operation defined so far (the core's, and those of the plugins imported)."""
+    return dict(_OPERATIONS)
+
+
+def chosen() -> dict[str, dict[str, dict[int, str]]]:
+    """What this process selected: ``{op: {key: {rows: candidate}}}``, for ``fw bench`` and the start-up log."""
+    out: dict[str, dict[str, dict[int, str]]] = {}
+    for (op, key), names in _CHOSEN.items():
+        out.setdefault(op, {})[repr(key)] = dict(zip(_OPERATIONS[op].rows, names, strict=True))
+    return out
