@@ -31,10 +31,11 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "cuda", to
     SUMMARY+=("$(printf '%-44s %-12s %5ss' "$name" "$status" $((SECONDS - start)))")
   }
   # Every test marked cuda: plugin kernels against the CPU or a dense reference, end to end on the GPU.
-  step "pytest -m cuda" "$PY" -m pytest -m cuda -v -rs
+  # One process (-n 0): the GPU tests share one device and were verified serially.
+  step "pytest -m cuda" "$PY" -m pytest -n 0 -m cuda -v -rs
   # The conformance suites run on the GPU for each plugin that declares CUDA (torch, triton, flashinfer,
   # flashinfer_mla, flash_attn; every quant plugin); compiled Triton, not the interpreter.
-  step "conformance suites on cuda" env -u TRITON_INTERPRET "$PY" -m pytest -v -rs tests/test_conformance.py \
+  step "conformance suites on cuda" env -u TRITON_INTERPRET "$PY" -m pytest -n 0 -v -rs tests/test_conformance.py \
     -k "Attention or Quant"
   # A short serving measurement per attention backend, on a small random model in bfloat16 (head size 64, which
   # FlashInfer takes).

@@ -1,6 +1,6 @@
 """``fw router`` against stand-in instances (small HTTP servers that record what they are sent): the two-step
 flow, round-robin, dead instances skipped and brought back, errors, streams. End to end with real ``fw serve``
-instances and a KV connector: tests/test_kvconnector_p2p.py."""
+instances and a KV connector: plugins/kvconnector/p2p/tests/test_kvconnector_p2p.py."""
 
 from __future__ import annotations
 

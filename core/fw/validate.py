@@ -366,8 +366,9 @@ class ModelCheck:
 def check_model(config: FwConfig, device: DeviceInfo | None = None) -> ModelCheck:
     """Find the model (the configured path, else a plugin's default), read its config, check everything.
 
-    The path's checkpoint format reads the config: a path that no format reads is a problem, a config that its
-    format cannot read raises the format's ``ModelError`` (as loading the model would).
+    The path's checkpoint format reads the config: a path that no format reads, or a config that its format cannot
+    read (a directory's config.json that is not JSON, a GGUF file of an architecture fw does not implement), is a
+    problem, reported like the others.
     """
     device = device or detect(config.model.device)
     path = config.model.model or plugins.get_plugin_manager().hook.fw_default_model()
@@ -378,9 +379,9 @@ def check_model(config: FwConfig, device: DeviceInfo | None = None) -> ModelChec
     config.model.model = str(path)
     try:
         reader = checkpoint_format(config.model.model).load()()
+        hf_config = reader.config(config.model.model)
     except (ModelError, PluginError) as exc:
         result = check(config, device)
         result.problems.insert(0, str(exc))
         return ModelCheck(result, config.model.model, None)
-    hf_config = reader.config(config.model.model)
     return ModelCheck(check(config, device, hf_config), config.model.model, hf_config, reader)

@@ -82,7 +82,7 @@ void packed_product(const bf16* xp, int64_t M, int64_t K, const bf16* wp, const 
 }
 #endif
 
-// x [M, K] bf16; weight [N / 16, K / 2, 16, 2] bf16 (see pack in fw/layers/dense.py); bias [N] or None.
+// x [M, K] bf16; weight [N / 16, K / 2, 16, 2] bf16 (see pack in fw/sdk/dense.py); bias [N] or None.
 // Returns [M, N] in x's dtype, or float32 when `float_out`.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, bool float_out) {
 #if defined(__AVX512BF16__)

@@ -21,12 +21,12 @@ from safetensors.torch import load_file
 
 import fw_quant_gguf.method
 from fw import LLM, SamplingParams, model_registry
+from fw.engine import EngineError
 from fw.forward_context import set_forward_context
 from fw.interfaces.attention import AttentionBatch
 from fw.model_loader import load_model
 from fw.models.base import HFConfig, ModelContext
 from fw.sdk import dense
-from fw.sdk.errors import ModelError
 from fw.sdk.linear import int_block_rounded, int_blocks
 from fw.testing.conformance import CheckpointFormatConformance, HooksConformance, QuantConformance, QuantFixture
 from fw.testing.models import CHATML_TEMPLATE, make_tiny_model
@@ -345,7 +345,7 @@ def test_unsupported_architecture_is_named(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(
-        ModelError, match=r"GGUF architecture 'phi2' is not supported \(supported: llama, qwen2, qwen3\)"
+        EngineError, match=r"GGUF architecture 'phi2' is not supported \(supported: llama, qwen2, qwen3\)"
     ):
         LLM(path)
 
@@ -360,7 +360,7 @@ def test_unsupported_tensor_type_is_named(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(
-        ModelError,
+        EngineError,
         match=r"blk\.0\.attn_q\.weight has type IQ2_XXS, which fw-quant-gguf cannot "
         r"dequantize \(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K",
     ):

@@ -1,7 +1,7 @@
 // Decode attention straight from the paged KV cache: one query token per request, keys and values
 // read block by block where they lie, never gathered into a contiguous copy.
 // One task per (request, KV head): its query heads share every key and value load (GQA).
-// The cache holds the model dtype, fp8 or int8 rows with their scale (fw/kv_quant.py): rows are dequantized to
+// The cache holds the model dtype, fp8 or int8 rows with their scale (fw/sdk/kv_quant.py): rows are dequantized to
 // float32 as they are read.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -212,7 +212,7 @@ inline bool bf16_scores(const at::BFloat16* q, const at::BFloat16* kp, Slot slot
 }
 #endif
 
-// How one head's row of the cache becomes float32 (the formats of fw/kv_quant.py): load returns the row's n values
+// How one head's row of the cache becomes float32 (the formats of fw/sdk/kv_quant.py): load returns the row's n values
 // as float32, converted into dst, or where they lie when the cache holds float32.
 template <typename T>
 struct Plain {  // the model dtype
