@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import wait_until
 from fw import LLM, SamplingParams
 from fw.plugins import get_spec
 from fw.sdk.block_hash import block_hash_chain
@@ -203,9 +203,7 @@ def test_disk_reads_never_block_the_step(tmp_path):
     worker.start_load_kv(scheduler.build_connector_meta())
     assert not worker.get_finished().loaded
     gate.set()
-    deadline = time.monotonic() + 10
-    while not (report := worker.get_finished()).loaded:
-        assert time.monotonic() < deadline
+    report = wait_until(lambda: (r := worker.get_finished()).loaded and r)
     assert report.loaded == {"c"} and report.bytes_loaded == 2 * BLOCK_BYTES
     assert worker.loaded_blocks == {"disk": 2, "cpu": 0}
     for cache in caches:
@@ -218,10 +216,8 @@ def test_a_load_that_outlasts_the_timeout_fails(tmp_path):
     gate = threading.Event()
     worker.store._io.submit(gate.wait)
     worker.start_load_kv(scheduler.build_connector_meta())
-    deadline = time.monotonic() + 10
-    while not (report := worker.get_finished()).failed:  # the 0.05 s pass while the reads wait for the I/O thread
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    # The 0.05 s pass while the reads wait for the I/O thread.
+    report = wait_until(lambda: (r := worker.get_finished()).failed and r)
     assert report.failed == {"c"} and not report.loaded
     gate.set()
     worker.store._io.submit(int).result()  # the abandoned reads have completed
