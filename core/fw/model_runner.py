@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from fw import distributed, model_registry, plugins
+from fw import distributed, plugins
 from fw.config import FwConfig
 from fw.decode_graph import DecodeGraphs
 from fw.forward_context import set_forward_context
@@ -52,7 +52,7 @@ class ModelRunner:
         dtype_name = check.requirements.dtype
         self.dtype = resolve_dtype(self.hf_config, dtype_name)
         ctx = ModelContext(dtype=self.dtype, quant=quant, attention=attention)
-        model_cls = model_registry.resolve(hf_config).load()
+        model_cls = check.selected["models"].load()
         tensors = plugins.build("checkpoint_format", check).weights(config.model.model)
         self.model = load_model(
             model_cls, self.hf_config, ctx, tensors, device=device, kv_cache_dtype=config.cache.kv_cache_dtype
