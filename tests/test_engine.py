@@ -94,6 +94,7 @@ def test_preemption_gives_the_same_tokens(models, reference):
         preempted += [r.num_preemptions for r in engine.scheduler.running]
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert max(preempted) > 0, "the cache was large enough: no preemption happened"
+    assert engine.stats().num_preemptions >= max(preempted)  # what fw:num_preemptions exports
     assert [done[i].outputs[0].token_ids for i in ids] == reference
     assert engine.kv.num_free_blocks() == 8
 

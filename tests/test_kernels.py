@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from conftest import wait_until
 from fw.interfaces.attention import AttentionLayerSpec
 from fw.sdk import dense, kernels, native
 from fw_attention_torch import backend as torch_attention
@@ -115,12 +117,49 @@ def test_a_corrupt_cache_file_is_ignored_and_rebuilt(cache, monkeypatch, content
 
 
 def test_a_choice_timed_on_a_busy_machine_serves_the_run_but_is_not_cached(cache, monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG, logger="fw.sdk.kernels")
     fake = _Fake(monkeypatch, {"a": {1: 1.0, 32: 1.0}, "b": {1: 2.0, 32: 2.0}})
     monkeypatch.setattr(kernels, "_others_share", lambda before, after: 0.5)
     assert fake.select().names == ("a", "a")
     assert not cache.exists() and "other processes used 50%" in caplog.text
     fake.times.update(a={1: 9.0, 32: 9.0})
     assert fake.select().names == ("a", "a")  # this process keeps it: its layers of one shape agree
+
+
+def test_the_choices_of_a_phase_are_one_info_line(cache, monkeypatch, caplog):
+    caplog.set_level(logging.DEBUG, logger="fw.sdk.kernels")
+    fake = _Fake(monkeypatch, {"a": {1: 1.0, 32: 5.0}, "b": {1: 2.0, 32: 3.0}})
+    with kernels.choosing("loading the model"):
+        fake.select(("k",)), fake.select(("k",)), fake.select(("other",))  # two layers of one shape, and another
+    info = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert info == [f"fw: kernel choice (loading the model): 3 layers, 2 shapes chosen in {info[0].split(' in ')[1]}"]
+    assert f"{fake.op.name} a/b x2 (rows 1/32)" in info[0]
+    assert sum("chose a/b" in r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG) == 2
+    caplog.clear()
+    with kernels.choosing("a second start"):
+        fake.select(("k",))
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO]  # all from the cache: nothing to say
+
+
+def test_a_choice_made_while_native_kernels_build_is_made_again_when_they_land(cache, monkeypatch, tmp_path):
+    monkeypatch.setenv("FW_NATIVE", "1")
+    monkeypatch.setenv("FW_NATIVE_BUILD", "background")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(kernels, "_PROVISIONAL", [])
+    source = tmp_path / "empty.cpp"
+    source.write_text("// a library without operators: builds in a moment\n")
+    fake = _Fake(monkeypatch, {"slow": {1: 9.0, 32: 9.0}, "native": {1: 1.0, 32: 1.0}})
+    fake.op.candidates["native"] = dataclasses.replace(
+        fake.op.candidates["native"], supports=lambda key: native.load("fw_test_background", source))
+    layers = [fake.select(), fake.select()]  # two layers of one shape
+    assert [s.names for s in layers] == [("slow", "slow")] * 2 and native.building() == ["fw_test_background"]
+    assert not cache.exists()  # a choice made without a candidate that builds is not worth keeping
+    wait_until(kernels.refresh, timeout=300)  # the engine asks between steps
+    assert [s.names for s in layers] == [("native", "native")] * 2 and not native.building()
+    assert fake.runs["native"] == 2 * 2  # both layers' shape timed once: a warm-up and a call per row class
+    assert not kernels.refresh()  # nothing more to land
+    (entry,) = json.loads(cache.read_text())["machines"].values()
+    assert entry["choices"][fake.op.name]["('k',)"]["names"] == ["native", "native"]
 
 
 def test_other_processes_share_excludes_this_process(monkeypatch):

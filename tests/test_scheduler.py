@@ -31,7 +31,7 @@ def test_chunked_prefill_mixes_with_decodes_within_the_budget():
     sched.add(first)
     batch = sched.schedule()
     inputs = sched.step_inputs(batch)
-    sched.update(batch, inputs, [42], None)  # "a" sampled its first token
+    sched.update(batch, inputs, [[42]], None)  # "a" sampled its first token
     sched.add(req("b", 20))
     batch = sched.schedule()
     # The decode of "a" (1 token) and a 7-token chunk of "b" share the step's 8-token budget.
@@ -46,7 +46,7 @@ def test_lowest_priority_running_request_is_preempted():
     sched.add(high)
     for _ in range(2):  # 7 + 2 tokens each: the second decode needs a fifth block
         batch = sched.schedule()
-        sched.update(batch, sched.step_inputs(batch), [1, 1], None)
+        sched.update(batch, sched.step_inputs(batch), [[1], [1]], None)
     batch = sched.schedule()
     assert batch.preempted == [low] and [r.request_id for r in batch.requests] == ["high"]
     assert low.num_computed_tokens == 0 and sched.waiting[0] is low
@@ -59,7 +59,7 @@ def _steps(sched: Scheduler) -> list[list[tuple[str, int]]]:
         batch = sched.schedule()
         steps.append([(r.request_id, n) for r, n in zip(batch.requests, batch.num_new, strict=True)])
         inputs = sched.step_inputs(batch)
-        sched.update(batch, inputs, [1] * len(inputs.sample_rows), None)
+        sched.update(batch, inputs, [[1]] * len(inputs.sample_rows), None)
     return steps
 
 

@@ -120,7 +120,9 @@ BAD_INPUTS = [
                                                         "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
      400, None),
     ("bad logit bias", chat_body("hi", logit_bias={"5": 500}), 400, "logit_bias"),
-    ("tools", chat_body("hi", tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    # tools without tool_choice mean "auto", which needs --enable-auto-tool-choice (vLLM's rule)
+    ("tools without auto tool choice", chat_body("hi", tools=[{"type": "function", "function": {"name": "f"}}]), 400,
+     "tool_choice"),
 ]
 
 
@@ -162,7 +164,8 @@ def test_metrics_parse_and_move(server):
     assert after["fw:e2e_request_latency_seconds_count"] == before["fw:e2e_request_latency_seconds_count"] + 1
     assert after["fw:time_to_first_token_seconds_count"] > before["fw:time_to_first_token_seconds_count"]
     assert after["fw:prefix_cache_queries_total"] > before["fw:prefix_cache_queries_total"]
-    for name in ("fw:num_requests_running", "fw:num_requests_waiting", "fw:kv_cache_usage_perc"):
+    for name in ("fw:num_requests_running", "fw:num_requests_waiting", "fw:kv_cache_usage_perc",
+                 "fw:num_preemptions_total"):
         assert name in after
 
 

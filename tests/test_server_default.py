@@ -20,9 +20,25 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def default_server():
-    with fw_serve("--max-model-len", "512", "--max-num-seqs", "8") as (base, _proc):
-        yield base
+def default_start(tmp_path_factory):
+    """The default server and its output up to the URL. A kernel cache of its own: the start times its kernels, as
+    a first start on a new machine does."""
+    cache = tmp_path_factory.mktemp("kernels") / "kernels.json"
+    with fw_serve("--max-model-len", "512", "--max-num-seqs", "8", env={"FW_KERNEL_CACHE": str(cache)}) as (base, proc):
+        yield base, proc.log().split("fw serve: listening on")[0]
+
+
+@pytest.fixture(scope="module")
+def default_server(default_start):
+    return default_start[0]
+
+
+def test_the_start_reports_kernel_choice_in_one_line(default_start):
+    lines = default_start[1].splitlines()
+    reports = [line for line in lines if "kernel choice" in line]
+    assert len(reports) == 1 and reports[0].startswith("fw: kernel choice (loading the model): "), lines
+    details = [line for line in lines if line not in reports and (" chose " in line or "other processes used" in line)]
+    assert not details, lines  # each choice's timings, and a busy machine's note, only at DEBUG
 
 
 def test_openai_client_on_the_default_model(default_server):

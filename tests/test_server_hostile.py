@@ -7,6 +7,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import os
 import socket
 import threading
 import time
@@ -268,11 +269,13 @@ def test_fw_serve_builds_its_engine_on_the_engine_thread(tiny, monkeypatch):
     monkeypatch.setattr(fw.engine.LLMEngine, "__init__", init)
     monkeypatch.setattr(fw.engine.LLMEngine, "step", step)
     monkeypatch.setattr(app, "run", serve_one_request)
-    result = CliRunner().invoke(main.cli, ["serve", "--model", str(tiny), "--max-model-len", "64"])
+    # `fw serve` sets FW_NATIVE_BUILD for its process; the CliRunner puts back the variables it is given.
+    runner = CliRunner(env={"FW_NATIVE_BUILD": os.environ.get("FW_NATIVE_BUILD")})
+    result = runner.invoke(main.cli, ["serve", "--model", str(tiny), "--max-model-len", "64"])
     assert result.exit_code == 0, result.output
     assert built_on[0].name == "fw-engine" and set(stepped_on) == {built_on[0]}
 
-    result = CliRunner().invoke(main.cli, ["serve", "--model", f"{tiny}/missing"])
+    result = runner.invoke(main.cli, ["serve", "--model", f"{tiny}/missing"])
     assert result.exit_code == 1 and "missing" in result.output
 
 

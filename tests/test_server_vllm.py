@@ -109,16 +109,19 @@ def test_per_request_and_access_log_lines(vserver):
     assert '"POST /v1/completions HTTP/1.1" 200' in log
 
 
-def test_tools_need_tool_choice_none(vserver):
+def test_tools_on_a_server_without_tool_flags(vserver):
+    """tool_choice "none" renders the tools; "auto" (or none given) needs --enable-auto-tool-choice; "required"
+    with the default template, which ignores tools, is a clear 400 (fw.tool_calls; tests/test_tools.py)."""
     base, _ = vserver
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "tools": tools}
     ok = post(base, "/v1/chat/completions", {**chat, "tool_choice": "none"})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
-    for choice in ("auto", None, "required"):
+    for choice, says in (("auto", "--enable-auto-tool-choice"), (None, "--enable-auto-tool-choice"),
+                         ("required", "ignores tools")):
         body = {**chat, "tool_choice": choice} if choice else chat  # absent means auto
         resp = post(base, "/v1/chat/completions", body)
-        assert resp.status_code == 400 and "not supported yet" in resp.json()["error"]["message"], choice
+        assert resp.status_code == 400 and says in resp.json()["error"]["message"], choice
 
 
 def test_tokenize_and_detokenize_round_trip(vserver):

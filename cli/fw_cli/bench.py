@@ -54,11 +54,20 @@ def _machine() -> dict:
             "kernels": kernels.chosen()}
 
 
-def _report(result: dict, as_json: bool, engine_here: bool = True) -> None:
+def _spec_decode(engine: SyncEngineClient) -> dict:
+    """With speculative decoding: the drafts verified and the fraction accepted."""
+    stats = engine.stats().spec_decode
+    if stats is None:
+        return {}
+    rate = stats.acceptance_rate
+    return {"spec_draft_tokens": stats.num_draft_tokens, "spec_acceptance_rate": rate if rate is not None else "n/a"}
+
+
+def _report(result: dict, as_json: bool, engine_here: bool = True, profile: dict | None = None) -> None:
     if engine_here:
         result = {**result, **_machine()}
     if as_json:
-        click.echo(json.dumps(result, indent=2))
+        click.echo(json.dumps(result if profile is None else {**result, "profile": profile}, indent=2))
         return
     for key, value in result.items():
         if key == "kernels":
@@ -68,6 +77,13 @@ def _report(result: dict, as_json: bool, engine_here: bool = True) -> None:
                     click.echo(f"  {op} {shape}: " + ", ".join(f"{rows} {name}" for rows, name in choice.items()))
         else:
             click.echo(f"{key:<28} {value:.4g}" if isinstance(value, float) else f"{key:<28} {value}")
+    if profile is not None:
+        replayed = "; the timed iterations replayed captured steps" if profile["captured"] else ""
+        click.echo(f"decode step profile: {profile['steps']} steps, {profile['step_ms']:.2f} ms a step, run eagerly "
+                   f"with a timer at each plugin boundary{replayed}")
+        click.echo(f"  {'part':<44} {'ms/step':>8} {'share':>7}")
+        for row in profile["parts"]:
+            click.echo(f"  {row['part']:<44} {row['ms_per_step']:>8.3f} {100 * row['share']:>6.1f}%")
 
 
 @bench.command("throughput")
@@ -109,6 +125,7 @@ def throughput(resolved: ResolvedConfig, num_prompts: int, input_len: int, outpu
             seconds, n = run(batch, output_len, bar)
             elapsed.append(seconds)
             steps.append(n)
+    spec = _spec_decode(engine)
     engine.shutdown()
     output_rates = [num_prompts * output_len / s for s in elapsed]
     total_rates = [num_prompts * (input_len + output_len) / s for s in elapsed]
@@ -124,6 +141,7 @@ def throughput(resolved: ResolvedConfig, num_prompts: int, input_len: int, outpu
             "engine_steps": statistics.median(steps),
             **_median_spread("output_tokens_per_s", output_rates),
             **_median_spread("total_tokens_per_s", total_rates),
+            **spec,
         },
         as_json,
     )
@@ -132,41 +150,75 @@ def throughput(resolved: ResolvedConfig, num_prompts: int, input_len: int, outpu
 @bench.command("latency")
 @click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Requests started together and decoded as one batch.")
 @click.option("--num-iters", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--profile", is_flag=True,
+              help="Then decode one more batch with timers at the plugin boundaries and print where a decode step "
+                   "goes: linear kernels per quant method, attention, LM head, sampling, Python (fw.engine.step_profile).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @config_options()
-def latency(resolved: ResolvedConfig, input_len: int, output_len: int, num_iters: int, as_json: bool) -> None:
-    """One request at a time: time to first token and time per output token (medians over iterations)."""
+def latency(resolved: ResolvedConfig, input_len: int, output_len: int, batch_size: int, num_iters: int,
+            profile: bool, as_json: bool) -> None:
+    """A batch at a time (one request by default): time to first token and time per output token (medians over
+    iterations, after one that warms up)."""
     from fw.sdk.sampling_params import SamplingParams
 
     engine = _engine(resolved)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     ttft, tpot = [], []
-    # A different prompt each iteration, so the prefix cache does not flatter the first token.
-    prompts = _random_prompts(engine, num_iters + 1, input_len, resolved.config.model.seed)
-    for i, prompt in enumerate(prompts):
+    # Different prompts each iteration, so the prefix cache does not flatter the first token.
+    prompts = _random_prompts(engine, (num_iters + 1 + profile) * batch_size, input_len, resolved.config.model.seed)
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    for i, batch in enumerate(batches[: num_iters + 1]):
         start = time.perf_counter()
-        engine.add_request(prompt, params)
-        first = None
+        _prefill(engine, batch, params)
+        first = time.perf_counter()
         while engine.has_unfinished_requests():
             engine.step()
-            first = first or time.perf_counter()
-        end = time.perf_counter()
         if i:  # the first iteration warms up
             ttft.append(first - start)
-            tpot.append((end - first) / max(output_len - 1, 1))
+            tpot.append((time.perf_counter() - first) / max(output_len - 1, 1))
+    parts = _profile(engine, batches[-1], params) if profile else None
+    spec = _spec_decode(engine)
     engine.shutdown()
     _report(
         {
             "iterations": num_iters,
+            "batch_size": batch_size,
             "ttft_ms_median": 1000 * statistics.median(ttft),
             "tpot_ms_median": 1000 * statistics.median(tpot),
-            "decode_tokens_per_s": 1 / statistics.median(tpot),
+            "decode_tokens_per_s": batch_size / statistics.median(tpot),
             "ttft_ms_spread": 1000 * (max(ttft) - min(ttft)),
-            **_median_spread("decode_tokens_per_s", [1 / t for t in tpot]),
+            **_median_spread("decode_tokens_per_s", [batch_size / t for t in tpot]),
+            **spec,
         },
         as_json,
+        profile=parts,
     )
+
+
+def _prefill(engine: SyncEngineClient, batch: list[list[int]], params) -> None:
+    """Adds the batch and steps until each of its requests has its first token."""
+    for prompt in batch:
+        engine.add_request(prompt, params)
+    started: set[str] = set()
+    while len(started) < len(batch) and engine.has_unfinished_requests():
+        started.update(out.request_id for out in engine.step())
+
+
+def _profile(engine: SyncEngineClient, batch: list[list[int]], params) -> dict:
+    """The decode steps of one more batch, timed by part (``fw.engine.step_profile``): {"steps", "step_ms", "parts":
+    [{"part", "ms_per_step", "share"}]}."""
+    from fw.engine.step_profile import StepProfile
+
+    _prefill(engine, batch, params)
+    with StepProfile(engine) as profile:
+        while engine.has_unfinished_requests():
+            engine.step()
+    rows = profile.table()
+    return {"steps": profile.steps, "step_ms": sum(ms for _, ms, _ in rows), "captured": profile.captured,
+            "parts": [{"part": part, "ms_per_step": ms, "share": share} for part, ms, share in rows]}
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +21,8 @@ from fw_cli.options import config_options
 @click.version_option(__version__, prog_name="fw")
 def cli() -> None:
     """Flywheel: a plugin-based LLM inference engine."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    # FW_LOG_LEVEL=DEBUG shows what INFO summarizes (each kernel choice's timings, fw.sdk.kernels).
+    logging.basicConfig(level=os.environ.get("FW_LOG_LEVEL", "INFO").upper(), format="%(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
@@ -249,6 +251,8 @@ def serve(resolved: ResolvedConfig) -> None:
 
     config = resolved.config
     replicas = config.parallel.data_parallel_size
+    # Native kernels not built on this machine yet build while the server answers on the torch path (fw.sdk.native).
+    os.environ.setdefault("FW_NATIVE_BUILD", "background")
     try:
         engine = DataParallelEngine(config) if replicas > 1 else AsyncEngine(lambda: LLMEngine(config))
     except (EngineError, ModelLoadError, PluginError) as exc:

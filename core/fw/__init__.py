@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from fw.llm import LLM
+    from fw.pooling import PoolingParams
     from fw.sdk.sampling_params import SamplingParams
 
 
@@ -25,7 +26,11 @@ def __getattr__(name: str):
         from fw.sdk.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "PoolingParams":
+        from fw.pooling import PoolingParams
+
+        return PoolingParams
     raise AttributeError(f"module 'fw' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "TextPrompt", "TokensPrompt", "__version__", "hookimpl"]
+__all__ = ["LLM", "PoolingParams", "SamplingParams", "TextPrompt", "TokensPrompt", "__version__", "hookimpl"]

@@ -77,6 +77,12 @@ class ModelSection(_Section):
         description="Run every step eagerly: on the CPU, fw otherwise records a decode step of up to 8 requests once "
         "per batch size and replays it without Python (fw.decode_graph).",
     )
+    pooling: Literal["auto", "last", "mean", "cls"] = Field(
+        "auto",
+        description="How embeddings pool a prompt's final hidden states: the last token's, their mean, or the first "
+        "(CLS) token's; auto takes the model's sentence-transformers config (modules.json), else last with L2 "
+        "normalization, as vLLM does for a decoder.",
+    )
 
     @field_validator("generation_config")
     @classmethod
@@ -150,6 +156,22 @@ class ParallelSection(_Section):
         return [part.strip() for part in value.split(",")] if isinstance(value, str) else value
 
 
+class ChatSection(_Section):
+    """How chat outputs are read (vLLM's flags): tool calls and reasoning, each by a parser plugin."""
+
+    enable_auto_tool_choice: bool = Field(
+        False, description='Let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser.'
+    )
+    tool_call_parser: str | None = Field(
+        None, description="The tool_parsers plugin that reads the model's tool calls (hermes, llama3_json, mistral, "
+        "pythonic, ...; `fw plugins list`).",
+    )
+    reasoning_parser: str | None = Field(
+        None, description="The reasoning_parsers plugin that splits reasoning_content from content (deepseek_r1, qwen3, "
+        "...).",
+    )
+
+
 class PluginChoice(_Section):
     """A slot's plugin: its name ("auto" lets the core choose) and its options."""
 
@@ -170,6 +192,36 @@ class PluginChoice(_Section):
 
 def _choice(default: str | None, description: str) -> Any:
     return Field(default_factory=lambda: PluginChoice(name=default), description=description)
+
+
+class SpeculativeConfig(_Section):
+    """Speculative decoding, with vLLM's keys (``--speculative-config '{"method": "ngram", ...}'``). Keys other
+    than these go to the proposer as its options (``prompt_lookup_max`` for ngram); ``model`` does too."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    method: str | None = Field(
+        None, description="The spec_proposers plugin (ngram, draft_model, mtp, ...); draft_model when only model is set."
+    )
+    model: str | None = Field(None, description="The draft model's directory (method draft_model).")
+    num_speculative_tokens: int | None = Field(None, ge=1, description="k: the most draft tokens per request and step.")
+    disable_by_batch_size: int | None = Field(
+        None, ge=2,
+        description="Propose no drafts while more requests than this run (on a CPU a step costs in proportion to "
+        "its tokens, so verifying drafts of a large batch loses); unset: always propose.",
+    )
+
+    @model_validator(mode="after")
+    def _method(self) -> SpeculativeConfig:
+        if self.method is None:
+            if self.model is None:
+                raise ValueError("give speculative_config.method (e.g. ngram) or speculative_config.model")
+            self.method = "draft_model"
+        return self
+
+    def proposer_options(self) -> dict[str, Any]:
+        """The keys the proposer reads: everything the core does not."""
+        return {**(self.model_extra or {}), **({"model": self.model} if self.model is not None else {})}
 
 
 class ServerSection(_Section):
@@ -194,7 +246,9 @@ class ServerSection(_Section):
     max_num_waiting: int = Field(
         256, ge=1, description="Requests waiting to start generating, at most; beyond, 429 with Retry-After."
     )
-    max_prompts_per_request: int = Field(64, ge=1, description="Longest prompt list of one /v1/completions request.")
+    max_prompts_per_request: int = Field(
+        64, ge=1, description="Longest prompt list of one /v1/completions request (and input list of /v1/embeddings)."
+    )
     max_logprobs: int = Field(
         20, ge=0, le=20, description="Most logprobs (and prompt_logprobs) a request may ask for; 20 is also the engine's limit."
     )
@@ -239,7 +293,22 @@ class FwConfig(BaseSettings):
     comm: PluginChoice = _choice("torch", "Communication plugin for multi-process runs.")
     kv_connector: PluginChoice = _choice(None, "KV connector plugin (none by default).")
     sampler: PluginChoice = _choice("auto", "Sampler plugin; auto picks the most capable one installed.")
+    chat: ChatSection = Field(default_factory=ChatSection)
     server: ServerSection = Field(default_factory=ServerSection)
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description='Speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\'.'
+    )
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _speculative_json(cls, value: Any) -> Any:
+        # The flag and the environment give JSON text.
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not JSON: {exc}") from None
+        return value
 
     def plugin_choice(self, kind: str) -> PluginChoice:
         return getattr(self, canonical_kind(kind))
@@ -248,7 +317,7 @@ class FwConfig(BaseSettings):
 # The plugin kinds chosen per run; each is also the config field holding its choice.
 SLOTS = ("attention", "quant", "comm", "kv_connector", "sampler")
 # Sections whose flags are derived from field names; "server" flags only exist on `fw serve`.
-ENGINE_SECTIONS = ("model", "cache", "scheduler", "parallel")
+ENGINE_SECTIONS = ("model", "cache", "scheduler", "parallel", "chat")
 SERVER_SECTIONS = ("server",)
 # Flag spellings that differ from the field name (the vLLM spelling stays available).
 FLAG_ALIASES = {
@@ -315,6 +384,8 @@ def cli_options(sections: tuple[str, ...] = ENGINE_SECTIONS) -> list[CliOption]:
             path = f"{kind}.name"
             flag = "--" + kind.replace("_", "-")
             out.append(CliOption(flag, path, FwConfig.model_fields[kind].description or "", aliases=FLAG_ALIASES.get(path, ())))
+        spec = FwConfig.model_fields["speculative_config"]
+        out.append(CliOption("--speculative-config", "speculative_config", spec.description or ""))
         for contributed in _hook().fw_cli_options():
             out.extend(contributed or [])
     return out

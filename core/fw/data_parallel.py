@@ -86,7 +86,7 @@ def _replica_main(rank: int, config_data: dict, conn: Any, init_method: str | No
         return
     view = engine.view
     conn.send(("ready", view.tokenizer, view.vocab_size, view.max_model_len, dict(view.selected),
-               view.sampler_features))
+               view.sampler_features, view.supported_tasks))
     asyncio.run(_serve(LockstepEngine(engine, tasks) if comm_cls else AsyncEngine(engine), conn, tasks))
     if comm_cls:
         distributed.destroy_parallel(comm_cls)
@@ -210,9 +210,9 @@ class DataParallelEngine:
                 self.shutdown()
                 raise EngineError(f"data-parallel replica {replica.rank} did not start: {message[1]}")
             ready.append(message)
-        tokenizer, vocab_size, max_model_len, selected, sampler_features = ready[0][1:]
+        tokenizer, vocab_size, max_model_len, selected, sampler_features, supported_tasks = ready[0][1:]
         self.view = EngineView(config, tokenizer, vocab_size, max_model_len, MappingProxyType(selected),
-                               sampler_features)
+                               sampler_features, supported_tasks)
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, Outbox]] = {}
         self._keys = itertools.count()
         self._numbers = itertools.count(1)  # lockstep: the requests every replica hears of, in order

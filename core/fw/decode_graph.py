@@ -57,6 +57,12 @@ class DecodeGraphs:
         self.replayed: dict[int, int] = {}  # steps replayed, per batch size
         self.off: str | None = None  # why every step runs eagerly
 
+    def reset(self) -> None:
+        """Forgets every graph, and why capturing stopped: the kernels changed (``fw.sdk.kernels.refresh``)."""
+        self._state.clear()
+        self._graphs.clear()
+        self.off = None
+
     def logits(self, batch: AttentionBatch, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The step's float32 logits, one row per request; None when the step should run eagerly."""
         size = batch.num_reqs

@@ -245,6 +245,15 @@ class KVCacheManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Shrink the request's slots to ``num_tokens``: the blocks past them (a verification step's rejected draft
+        tokens) go back to the pool. They were never cached: only computed, kept tokens' full blocks are."""
+        req = self._requests[request_id]
+        keep = _cdiv(num_tokens, self.block_size)
+        self.pool.free_blocks(reversed(req.blocks[keep:]))
+        del req.blocks[keep:]
+        req.num_tokens = num_tokens
+
     def free(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
         if req is not None:

@@ -21,6 +21,7 @@ from fw.interfaces.comm import Pending
 from fw.interfaces.kvconnector import KVTransferReport
 from fw.model_loader import load_model, resolve_dtype
 from fw.models.base import HFConfig, ModelContext
+from fw.sdk import kernels
 from fw.step_inputs import StepInputs
 from fw.validate import CheckResult
 
@@ -42,7 +43,10 @@ def micro_batches(num_new: list[int], stages: int) -> list[slice]:
 
 
 class ModelRunner:
-    def __init__(self, config: FwConfig, check: CheckResult, hf_config: dict, device: str) -> None:
+    def __init__(
+        self, config: FwConfig, check: CheckResult, hf_config: dict, device: str, model_cls: type | None = None
+    ) -> None:
+        """``model_cls``: another model than the checkpoint architecture's (its multi-token-prediction head)."""
         self.config = config
         self.device = device
         quant = plugins.build("quant", check, hf_config.get("quantization_config"))
@@ -52,11 +56,12 @@ class ModelRunner:
         dtype_name = check.requirements.dtype
         self.dtype = resolve_dtype(self.hf_config, dtype_name)
         ctx = ModelContext(dtype=self.dtype, quant=quant, attention=attention)
-        model_cls = check.selected["models"].load()
+        model_cls = model_cls or check.selected["models"].load()
         tensors = plugins.build("checkpoint_format", check).weights(config.model.model)
-        self.model = load_model(
-            model_cls, self.hf_config, ctx, tensors, device=device, kv_cache_dtype=config.cache.kv_cache_dtype
-        )
+        with kernels.choosing("loading the model"):
+            self.model = load_model(
+                model_cls, self.hf_config, ctx, tensors, device=device, kv_cache_dtype=config.cache.kv_cache_dtype
+            )
         self.block_size = config.cache.block_size
         # The backend lays out each layer's cache; the runner only sizes and allocates what it declares.
         self.kv_cache_specs = [
@@ -75,6 +80,9 @@ class ModelRunner:
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
         self.kv_report = KVTransferReport()  # the connector's report of the latest step
+        # The latest step's final hidden states, every position in the step's order, when the step asked to keep
+        # them (``StepInputs.keep_hidden_states``: an MTP or EAGLE proposer drafts from them).
+        self.hidden_states: torch.Tensor | None = None
         single = distributed.get_tp_group().world_size == distributed.get_pp_group().world_size == 1
         graphs = (device == "cpu" and single and self.kv_connector is None and not config.model.enforce_eager
                   and getattr(self.model, "decode_graphs", False))
@@ -98,8 +106,11 @@ class ModelRunner:
         self.kv_report = self.kv_connector.get_finished()
 
     @torch.inference_mode()
+    @kernels.choosing("serving")  # the attention backend's choices, on the first step
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Run the step; returns float32 logits at ``inputs.logit_positions``, [len(logit_positions), vocab]."""
+        if kernels.refresh() and self.graphs is not None:  # native kernels built in the background landed
+            self.graphs.reset()
         for src, dst in inputs.copies:
             for cache in self.kv_caches:
                 cache[:, dst].copy_(cache[:, src])
@@ -113,7 +124,9 @@ class ModelRunner:
         # starts the next while the following stage works on it.
         parts = [self._step_tensors(inputs, part)
                  for part in micro_batches(inputs.num_new, distributed.get_pp_group().world_size)]
-        if self.graphs is not None and inputs.logit_positions == list(range(len(inputs.num_new))):
+        keep_hidden = inputs.keep_hidden_states or bool(inputs.hidden_positions)  # a proposer's, or pooling's
+        graphable = inputs.logit_positions == list(range(len(inputs.num_new))) and not keep_hidden
+        if self.graphs is not None and graphable:
             logits = self.graphs.logits(*parts[0])  # the only part: graphs run without pipeline parallelism
             if logits is not None:
                 return logits
@@ -123,7 +136,7 @@ class ModelRunner:
             send.wait()
         if connector is not None:
             self._finish_kv_transfers()
-        return self._logits(hidden, inputs.logit_positions)
+        return self._logits(hidden, inputs.logit_positions, keep_hidden)
 
     def _step_tensors(self, inputs: StepInputs, part: slice) -> tuple[AttentionBatch, torch.Tensor, torch.Tensor]:
         """The attention batch, token ids and positions of the requests ``part`` of the step, a batch of their
@@ -144,7 +157,7 @@ class ModelRunner:
         sends.extend(ctx.sends)
         return hidden
 
-    def _logits(self, hidden: list[torch.Tensor], logit_positions: list[int]) -> torch.Tensor:
+    def _logits(self, hidden: list[torch.Tensor], logit_positions: list[int], keep_hidden: bool) -> torch.Tensor:
         """The last pipeline stage computes the logits, from its micro-batches' hidden states in the step's row
         order, and sends them to the first, whose rank 0 samples; a stage in between returns none (an empty
         tensor)."""
@@ -156,6 +169,7 @@ class ModelRunner:
             return pp.recv(out, last) if pp.rank == 0 else out
         rows = torch.tensor(logit_positions, dtype=torch.long, device=self.device)
         states = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
+        self.hidden_states = states if keep_hidden else None
         logits = self.model.compute_logits(states[rows])
         if logits.dtype != torch.float32:  # widening here would hide ties that rounding already made
             raise TypeError(f"{type(self.model).__name__}.compute_logits returned {logits.dtype}; logits must be float32")

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from fw.interfaces.tool_parser import ToolCall
 
 
 @dataclass
@@ -27,6 +30,9 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None  # per output token, when asked for
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: str | int | None = None  # the stop string or token id; "repetition" for a repeating n-gram
+    # LLM.chat's reading of ``text`` (fw.tool_calls): the tool calls, and the reasoning a --reasoning-parser split off
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -69,3 +75,43 @@ class BeamSearchSequence:
 @dataclass
 class BeamSearchOutput:
     sequences: list[BeamSearchSequence]  # best first
+
+
+@dataclass
+class PoolingOutput:
+    data: Any  # torch.Tensor [hidden] (or [dimensions]): the pooled vector; None for an aborted request
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooling request's result, as vLLM's ``LLM.encode`` returns it."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s result: ``outputs.embedding`` as floats (vLLM's names)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()), output.prompt_token_ids,
+                   output.finished)

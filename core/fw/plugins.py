@@ -35,7 +35,18 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from fw.interfaces import attention, checkpoint_format, comm, kvconnector, model, quant, sampler
+from fw.interfaces import (
+    attention,
+    checkpoint_format,
+    comm,
+    kvconnector,
+    model,
+    quant,
+    reasoning_parser,
+    sampler,
+    spec_proposer,
+    tool_parser,
+)
 from fw.interfaces.base import Capabilities, supported_api_versions
 from fw.interfaces.spec import INTERFACES, KIND_ALIASES, PluginError, PluginSpec, canonical_kind
 
@@ -51,6 +62,10 @@ RECORDS: dict[str, type[Capabilities]] = {
     "kv_connector": kvconnector.KVConnectorCapabilities,
     "sampler": sampler.SamplerCapabilities,
     "checkpoint_format": checkpoint_format.CheckpointFormatCapabilities,
+    "spec_proposers": spec_proposer.SpecProposerCapabilities,
+    # Parsers read text: the shared record says all they can declare.
+    "tool_parsers": Capabilities,
+    "reasoning_parsers": Capabilities,
 }
 KINDS = tuple(INTERFACES)
 HOOKS_GROUP = "fw.hooks"
@@ -205,6 +220,25 @@ def get_spec(kind: str, name: str) -> PluginSpec:
     if item.error:
         raise PluginError(f"{item.label} is broken: {item.error}")
     return item.spec
+
+
+# Parser kinds -> what their plugins are called in messages, and the class each implementation must be.
+PARSERS = {"tool_parsers": ("tool-call parser", tool_parser.ToolParser),
+           "reasoning_parsers": ("reasoning parser", reasoning_parser.ReasoningParser)}
+
+
+def load_parser(kind: str, name: str) -> type:
+    """The class of the ``kind`` parser named ``name`` (``--tool-call-parser`` / ``--reasoning-parser``),
+    imported; built per request. A PluginError names the installed parsers when there is none by that name."""
+    noun, base = PARSERS[kind]
+    installed = available(kind)
+    if name not in installed and all(d.name != name for d in discover(kind)):
+        raise PluginError(f"unknown {noun} {name!r} (installed: {', '.join(sorted(installed)) or 'none'})")
+    spec = get_spec(kind, name)  # says why an installed one cannot be used (disabled, broken)
+    impl = spec.load()
+    if not (isinstance(impl, type) and issubclass(impl, base)):
+        raise PluginError(f"{noun} {name!r} ({spec.impl}) is not a {base.__module__}.{base.__name__}")
+    return impl
 
 
 def impl_problem(spec: PluginSpec) -> str | None:

@@ -6,10 +6,14 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fw.detokenizer import IncrementalDetokenizer
 from fw.outputs import PositionLogprobs, RequestMetrics
 from fw.sdk.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from fw.pooling import Pooling
 
 _arrival = itertools.count()
 
@@ -44,6 +48,8 @@ class Request:
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     # Tokens whose KV is in the cache; the next step computes from here.
     num_computed_tokens: int = 0
+    # Speculative decoding: draft tokens the next step verifies after the last known token (fw.engine.spec_decode).
+    draft_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
@@ -55,6 +61,8 @@ class Request:
     # Shared by the sequences of an n > 1 request, so they report as one: first to start, last to finish.
     metrics: RequestMetrics = field(default_factory=new_metrics)
     num_cached_tokens: int | None = None  # prefix-cache hit at the first scheduling (None until then)
+    # A pooling request (fw.pooling): a prefill that samples nothing and ends with the pooled vector.
+    pooling: Pooling | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -99,6 +107,11 @@ class Request:
             self._finish("stop", "repetition")
         elif (params.max_tokens is not None and n >= params.max_tokens) or self.num_tokens >= self.max_model_len:
             self._finish("length", None)
+
+    def finish_pooling(self) -> None:
+        """Every prompt position is computed: the pooled vector is the request's result."""
+        self.pooling.finish(self.num_tokens)
+        self._finish("stop", None)
 
     def _repeats(self) -> bool:
         """The last ``repetition_ngram_size`` tokens occurred ``repetition_max_repeats`` times back to back."""

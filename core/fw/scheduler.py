@@ -76,6 +76,7 @@ class Scheduler:
         self.running: list[Request] = []
         # What the latest schedule() moved from waiting to running: the suspects when a step fails as a whole.
         self.last_admitted: list[Request] = []
+        self.num_preemptions = 0  # ever: vLLM's vllm:num_preemptions_total
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -114,7 +115,7 @@ class Scheduler:
                 break
             if request not in self.running:  # preempted earlier in this loop
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget, self.prefill_chunk)
+            num_new = self._num_new(request, budget)
             if self._allocate_or_preempt(request, num_new, batch):
                 batch.requests.append(request)
                 batch.num_new.append(num_new)
@@ -130,11 +131,14 @@ class Scheduler:
             if loaded:
                 cached, external = request.num_computed_tokens, 0
             else:
-                # Prompt logprobs need every prompt position computed, so such requests skip the cache (as in vLLM).
-                cached = 0 if request.params.prompt_logprobs is not None else self.kv.get_computed_blocks(
+                # Prompt logprobs, and pooling other than the last token's, need every prompt position computed,
+                # so such requests skip the cache and the connector's loads (as in vLLM).
+                every_position = request.params.prompt_logprobs is not None or (
+                    request.pooling is not None and request.pooling.needs_every_position)
+                cached = 0 if every_position else self.kv.get_computed_blocks(
                     rid, request.all_token_ids, request.cache_keys
                 )
-                external = transfers.external_tokens(request, cached)
+                external = 0 if every_position else transfers.external_tokens(request, cached)
             if transfers.loads_later(external):
                 if not self.kv.allocate_slots(rid, cached + external):
                     self._unadmit(request)
@@ -167,6 +171,16 @@ class Scheduler:
             budget -= num_new
         return batch
 
+    def _num_new(self, request: Request, budget: int) -> int:
+        """A running request's tokens this step: its known ones left, and its drafts (speculative decoding) as far
+        as the budget and the free KV blocks allow; drafts that do not fit are dropped, never worth a preemption."""
+        remaining = request.num_tokens - request.num_computed_tokens
+        num_new = min(remaining + len(request.draft_token_ids), budget, self.prefill_chunk)
+        if num_new > remaining and not self.kv.can_allocate(request.request_id, request.num_computed_tokens + num_new):
+            num_new = min(remaining, num_new)
+        del request.draft_token_ids[max(num_new - remaining, 0) :]
+        return num_new
+
     def _unadmit(self, request: Request) -> None:
         """Admission stopped for lack of budget or blocks: the request waits with nothing held."""
         self.kv.free(request.request_id)
@@ -189,7 +203,9 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
+        request.draft_token_ids.clear()
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self._requeue(request)
 
     def _requeue(self, request: Request) -> None:
@@ -200,13 +216,17 @@ class Scheduler:
 
     def step_inputs(self, batch: ScheduledBatch) -> StepInputs:
         token_ids: list[int] = []
-        sample_rows, sample_positions, prompt_positions = [], [], []
+        sample_rows, sample_positions, prompt_positions, hidden_positions = [], [], [], []
         for i, (request, n) in enumerate(zip(batch.requests, batch.num_new, strict=True)):
             start, first = request.num_computed_tokens, len(token_ids)
-            token_ids.extend(request.all_token_ids[start : start + n])
-            if start + n == request.num_tokens:
+            drafts = request.draft_token_ids
+            token_ids.extend((request.all_token_ids + drafts)[start : start + n])
+            if request.pooling is not None:  # samples nothing: its hidden states come back instead
+                hidden_positions.extend(first + k for k in request.pooling.positions(start, n, request.num_tokens))
+            elif start + n == request.num_tokens + len(drafts):
                 sample_rows.append(i)
-                sample_positions.append(len(token_ids) - 1)
+                # A request with drafts is scored at its last known token and at each draft.
+                sample_positions.extend(range(len(token_ids) - 1 - len(drafts), len(token_ids)))
             if request.params.prompt_logprobs is not None and start < len(request.prompt_token_ids):
                 prompt_positions.extend(range(first, first + min(n, len(request.prompt_token_ids) - start)))
         return StepInputs(
@@ -218,6 +238,7 @@ class Scheduler:
             logit_positions=sample_positions + prompt_positions,
             copies=self.kv.take_pending_copies(),
             kv_connector_meta=self.transfers.step_meta(batch.requests, batch.num_new),
+            hidden_positions=hidden_positions,
         )
 
     def finish_transfers(self, report: KVTransferReport) -> list[Request]:
@@ -228,21 +249,35 @@ class Scheduler:
         """
         return self.transfers.finish(report, self.running, self._requeue)
 
-    def update(self, batch: ScheduledBatch, inputs: StepInputs, tokens: list[int], logprobs: list[float] | None) -> list[Request]:
-        """Account the computed tokens, append sampled ones; returns the requests that finished."""
+    def update(
+        self, batch: ScheduledBatch, inputs: StepInputs, tokens: list[list[int]], logprobs: list[list[float]] | None
+    ) -> list[Request]:
+        """Account the computed tokens, append each sampling request's new ones (one, or with speculative decoding
+        its accepted drafts and one more); returns the requests that finished."""
         finished = []
         sampled = dict(zip(inputs.sample_rows, range(len(tokens)), strict=True))
         for i, (request, n) in enumerate(zip(batch.requests, batch.num_new, strict=True)):
-            request.num_computed_tokens += n
+            j = sampled.get(i)
+            new = tokens[j] if j is not None else []
+            # Drafts past the accepted ones were computed but are not the request's: their KV is dropped.
+            rejected = len(request.draft_token_ids) - max(len(new) - 1, 0)
+            request.draft_token_ids = []
+            request.num_computed_tokens += n - rejected
+            for t, token in enumerate(new):
+                request.append_token(token, logprobs[j][t] if logprobs is not None else None)
+                if request.finished:  # stop conditions hold token by token: what follows is dropped
+                    break
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            if request.pooling is not None and request.num_computed_tokens == request.num_tokens:
+                request.finish_pooling()
+            if rejected and not request.finished:
+                self.kv.trim(request.request_id, request.num_computed_tokens)
             self.kv.cache_blocks(
                 request.request_id, request.all_token_ids, request.num_computed_tokens, request.cache_keys
             )
-            if i in sampled:
-                j = sampled[i]
-                request.append_token(tokens[j], logprobs[j] if logprobs is not None else None)
-                if request.finished:
-                    self._finish(request)
-                    finished.append(request)
+            if request.finished:
+                self._finish(request)
+                finished.append(request)
         return finished
 
     def _finish(self, request: Request) -> None:

@@ -241,6 +241,8 @@ def check(
             except (ValidationError, PluginError) as exc:
                 result.problems.append(f"{kind}.options: {_short(exc)}")
     _check_cross_slot(req, result)
+    _resolve_proposer(config, result)
+    result.problems.extend(_parser_problems(config))
     result.problems.extend(_not_implemented(config))
     result.problems.extend(_ray_problems(config, req))
     result.problems.extend(_expert_parallel_problems(config, hf_config))
@@ -248,6 +250,43 @@ def check(
     for extra in plugins.get_plugin_manager().hook.fw_validate(config=config, requirements=req):
         result.problems.extend(extra or [])
     return result
+
+
+def _resolve_proposer(config: FwConfig, result: CheckResult) -> None:
+    """The speculative-decoding proposer that ``speculative_config.method`` names, and its options."""
+    spec_config = config.speculative_config
+    if spec_config is None:
+        return
+    try:
+        spec = plugins.get_spec("spec_proposers", spec_config.method)
+    except PluginError as exc:
+        result.problems.append(f"speculative_config.method: {exc}")
+        return
+    problem = plugins.impl_problem(spec)
+    if problem:
+        result.problems.append(problem)
+        return
+    result.selected["spec_proposers"] = spec
+    result.reasons["spec_proposers"] = "speculative_config.method"
+    try:
+        result.options["spec_proposers"] = spec.parse_options(spec_config.proposer_options())
+    except (ValidationError, PluginError) as exc:
+        result.problems.append(f"speculative_config ({spec.name} options): {_short(exc)}")
+
+
+def _parser_problems(config: FwConfig) -> list[str]:
+    """The chat section's parsers must exist (and import), and auto tool choice needs a tool parser."""
+    chat, problems = config.chat, []
+    for kind, flag, name in (("tool_parsers", "--tool-call-parser", chat.tool_call_parser),
+                             ("reasoning_parsers", "--reasoning-parser", chat.reasoning_parser)):
+        if name is not None:
+            try:
+                plugins.load_parser(kind, name)
+            except PluginError as exc:
+                problems.append(f"{flag}: {exc}")
+    if chat.enable_auto_tool_choice and chat.tool_call_parser is None:
+        problems.append("--enable-auto-tool-choice needs --tool-call-parser to read the model's calls")
+    return problems
 
 
 def _ray_problems(config: FwConfig, req: Requirements) -> list[str]:
@@ -281,6 +320,9 @@ def _not_implemented(config: FwConfig) -> list[str]:
         (connector is not None and parallel.pipeline_parallel_size > 1,
          f"--kv-connector {connector} with --pipeline-parallel-size {parallel.pipeline_parallel_size}: "
          "a KV connector across pipeline stages"),
+        # A verification step writes KV for drafts it may reject: the connector would send or save it.
+        (connector is not None and config.speculative_config is not None,
+         f"--kv-connector {connector} with speculative_config (speculative decoding)"),
     ]
     return [f"{what} is not implemented yet" for given, what in refused if given]
 

@@ -13,11 +13,23 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from fw.interfaces import attention, checkpoint_format, comm, kvconnector, quant, sampler
-from fw.interfaces.base import frozen
+from fw.interfaces import (
+    attention,
+    checkpoint_format,
+    comm,
+    kvconnector,
+    quant,
+    reasoning_parser,
+    sampler,
+    spec_proposer,
+    tool_parser,
+)
+from fw.interfaces.base import Capabilities, frozen
 from fw.interfaces.spec import PluginSpec
 from fw.sdk.sampler import DefaultSampler
 from fw.sdk.torch_distributed import TorchDistributed
+from fw_reasoning_parsers.think import DeepSeekR1
+from fw_tool_parsers.hermes import Hermes
 
 
 def _spec(kind: str, module, record, impl: str, **capabilities) -> PluginSpec:
@@ -114,6 +126,13 @@ class GreedyIgnoringSampler(DefaultSampler):
 KV_CONNECTOR_IMPL = kvconnector.KVConnector(PartialBlocksScheduler, NoopWorker)
 
 
+class OffByOneProposer(spec_proposer.SpecProposer):
+    """Drafts the context's last k + 1 tokens: one more than the engine asked for."""
+
+    def propose(self, requests):
+        return [spec_proposer.Proposal(r.token_ids[-(r.k + 1) :]) for r in requests]  # the bug: k + 1
+
+
 def write_single_file(plain, out):
     """A plain checkpoint as one ``.broken`` file: its safetensors, with config.json in the metadata."""
     path = out / "model.broken"
@@ -134,11 +153,26 @@ class SwappedGateUp(checkpoint_format.CheckpointFormat):
             parts = name.split(".")
             yield ".".join(swap.get(part, part) for part in parts), tensor  # the bug
 
+
+class EagerHermes(Hermes):
+    """Hermes' format, but it streams an open call at once, as content: it forgot that the call may yet complete."""
+
+    settled = tool_parser.ToolParser.settled  # the bug
+
+
+class TaglessThink(DeepSeekR1):
+    """DeepSeek-R1's reasoning, but it declares no markers: a stream cut inside "</think>" sends the half tag."""
+
+    markers = ()  # the bug
+
 ATTENTION = _spec("attention", attention, attention.AttentionCapabilities, "FixedBlockAttention",
                   devices=frozen("cpu"), dtypes=frozen("float32"))
 QUANT = _spec("quant", quant, quant.QuantCapabilities, "ForgetfulInt8", dtypes=frozen("float32"))
 COMM = _spec("comm", comm, comm.CommCapabilities, "ReversedGather", devices=frozen("cpu"))
 KV_CONNECTOR = _spec("kv_connector", kvconnector, kvconnector.KVConnectorCapabilities, "KV_CONNECTOR_IMPL")
 SAMPLER = _spec("sampler", sampler, sampler.SamplerCapabilities, "GreedyIgnoringSampler")
+SPEC_PROPOSERS = _spec("spec_proposers", spec_proposer, spec_proposer.SpecProposerCapabilities, "OffByOneProposer")
 CHECKPOINT_FORMAT = _spec("checkpoint_format", checkpoint_format, checkpoint_format.CheckpointFormatCapabilities,
                           "SwappedGateUp", suffixes=frozen(".broken"))
+TOOL_PARSERS = _spec("tool_parsers", tool_parser, Capabilities, "EagerHermes")
+REASONING_PARSERS = _spec("reasoning_parsers", reasoning_parser, Capabilities, "TaglessThink")

@@ -11,9 +11,11 @@ from fw.testing.conformance import (
     QuantConformance,
     QuantFixture,
     SamplerConformance,
+    SpecProposerConformance,
     plain_checkpoint,
     plain_weights,
 )
+from fw.testing.parser_conformance import ReasoningParserConformance, ToolParserConformance
 
 
 class TestAttention(AttentionConformance):
@@ -47,6 +49,10 @@ class TestSampler(SamplerConformance):
     plugin = "broken"
 
 
+class TestSpecProposer(SpecProposerConformance):
+    plugin = "broken"
+
+
 class TestHooks(HooksConformance):
     plugin = "broken"
 
@@ -54,3 +60,17 @@ class TestHooks(HooksConformance):
 class TestCheckpointFormat(CheckpointFormatConformance):
     plugin = "broken"
     fixture = staticmethod(write_single_file)
+
+
+class TestToolParser(ToolParserConformance):
+    plugin = "broken"
+    samples = {
+        'Sure.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>':
+            ("Sure.\n", [("get_weather", {"city": "Paris"})]),
+    }
+    malformed = ['<tool_call>{"name": "get_weather", "arguments": {</tool_call>']
+
+
+class TestReasoningParser(ReasoningParserConformance):
+    plugin = "broken"
+    samples = {"<think>Paris is in France.</think>Paris.": ("Paris is in France.", "Paris.")}

@@ -31,12 +31,24 @@ from fw.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from fw.sdk.chat import ChatTemplateError, load_template, render_chat
 from fw.sdk.sampling_params import SamplingParams, SamplingParamsError
 from fw.sdk.workers import WorkerError, WorkerPool
+from fw.tool_calls import (
+    ChatDelta,
+    ChatParsers,
+    OutputReader,
+    ToolCallError,
+    ToolRequest,
+    chat_params,
+    finish_reason,
+    tool_request,
+)
+from fw_cli.server.embeddings import embedding_response, pooling_params
 from fw_cli.server.metrics import Metrics
 from fw_cli.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     StreamOptions,
     TokenizeRequest,
 )
@@ -70,7 +82,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{'.'.join(loc) or 'body'}: {first['msg']}", param=".".join(loc) or None)
 
 
-REQUEST_ERRORS = (EngineError, SamplingParamsError)  # the request's own fault: a 400 naming the field
+REQUEST_ERRORS = (EngineError, SamplingParamsError, ToolCallError)  # the request's own fault: a 400 naming the field
 
 
 @contextlib.contextmanager
@@ -115,6 +127,7 @@ class Server:
         self.public = {"/health", *(["/metrics"] if settings.public_metrics else []),
                        *(DOCS if settings.public_docs else [])}
         self.chat_template = load_template(settings.chat_template)
+        self.parsers = ChatParsers.from_config(engine.view.config.chat)
         self.renderer = WorkerPool(min(4, os.cpu_count() or 1), RENDER_MEMORY, "fw-chat-template")
         self.max_logprobs = settings.max_logprobs
         self.log_requests = not settings.disable_log_requests
@@ -199,15 +212,25 @@ class Server:
         # Token ids, or a truncated text: the text echoed is what the ids decode to.
         return TokensPrompt(prompt_token_ids=ids, prompt=self.tokenizer.decode(ids, skip_special_tokens=False))
 
+    async def _tokenized(self, body, prompts: list[str | list[int]], param: str) -> list[TokensPrompt]:
+        """A request's prompts (at most --max-prompts-per-request) as token ids, tokenized off the event loop."""
+        limit = self.settings.max_prompts_per_request
+        if len(prompts) > limit:
+            raise APIError(400, f"{param}: at most {limit} prompts in one request (--max-prompts-per-request)",
+                           param=param)
+        return await asyncio.to_thread(lambda: [self._prompt(p, body) for p in prompts])
+
     def _check_length(self, text: str) -> None:
         """Refuse a prompt too long for the context by its length alone, before tokenizing it costs seconds."""
         if len(text) > CHARS_PER_TOKEN * self.max_model_len:
             raise APIError(400, f"prompt: {len(text)} characters cannot fit max_model_len {self.max_model_len}",
                            param="prompt")
 
-    async def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> TokensPrompt:
-        """The messages rendered by the server's template (or, where allowed, the request's) in a worker process,
-        then tokenized off the event loop."""
+    async def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest,
+                           tools: ToolRequest | None = None) -> TokensPrompt:
+        """The messages (and ``tools``) rendered by the server's template (or, where allowed, the request's) in a
+        worker process, then tokenized off the event loop. A template that ignores the tools of a request that
+        may call them is refused: the model would never see them."""
         param = "messages" if body.chat_template is None else "chat_template"
         if body.chat_template is not None and not self.settings.allow_request_chat_template:
             raise APIError(400, "chat_template: this server renders chats with its own template; start it with "
@@ -224,25 +247,36 @@ class Server:
         add_generation = kwargs.pop("add_generation_prompt", not continue_final if body.add_generation_prompt is None
                                     else body.add_generation_prompt)
         variables = {"bos_token": self.tokenizer.bos_token or "", "eos_token": self.tokenizer.eos_token or "", **kwargs}
-        rendering = self.renderer.submit(
-            render_chat, template, [m.for_template() for m in body.messages], add_generation, continue_final,
-            variables, CHARS_PER_TOKEN * self.max_model_len, timeout=RENDER_TIMEOUT_S,
-        )
-        try:
-            text = await asyncio.wrap_future(rendering)
-        except ChatTemplateError as exc:
-            raise APIError(400, str(exc), param=param) from None
-        except TimeoutError:
-            raise APIError(400, f"the chat template took longer than {RENDER_TIMEOUT_S:g} s", param=param) from None
-        except (MemoryError, WorkerError):
-            raise APIError(400, "the chat template needed too much memory", param=param) from None
+        messages = [m.for_template() for m in body.messages]
+
+        async def render(tool_list: list[dict[str, Any]] | None) -> str:
+            given = variables if tool_list is None else {**variables, "tools": tool_list}
+            rendering = self.renderer.submit(render_chat, template, messages, add_generation, continue_final, given,
+                                             CHARS_PER_TOKEN * self.max_model_len, timeout=RENDER_TIMEOUT_S)
+            try:
+                return await asyncio.wrap_future(rendering)
+            except ChatTemplateError as exc:
+                raise APIError(400, str(exc), param=param) from None
+            except TimeoutError:
+                raise APIError(400, f"the chat template took longer than {RENDER_TIMEOUT_S:g} s", param=param) from None
+            except (MemoryError, WorkerError):
+                raise APIError(400, "the chat template needed too much memory", param=param) from None
+
+        tool_list = tools.tools if tools is not None else None
+        text = await render(tool_list)
+        if tool_list and tools.choice != "none" and text == await render(None):
+            raise APIError(400, f'the chat template ignores tools (it renders the same prompt without them), so the '
+                           f'model cannot see them; give a template that renders `tools` ({param}) or use tool_choice '
+                           '"none"', param="tools")
         ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=bool(body.add_special_tokens))
         return TokensPrompt(prompt_token_ids=ids, prompt=text)
 
-    def _submissions(self, body, prompts: list[TokensPrompt], request_id: str) -> list[Submission]:
-        """Each prompt's engine request (ids ``request_id-i`` for several), logged as vLLM logs them."""
+    def _submissions(self, body, prompts: list[TokensPrompt], request_id: str,
+                     params: SamplingParams | None = None) -> list[Submission]:
+        """Each prompt's engine request (ids ``request_id-i`` for several), logged as vLLM logs them; ``params``
+        when the endpoint made them, else the body's."""
         with _as_400():
-            params = body.sampling_params(self.defaults, self.max_logprobs)
+            params = params or body.sampling_params(self.defaults, self.max_logprobs)
             submissions = []
             for i, prompt in enumerate(prompts):
                 prompt_len = len(prompt["prompt_token_ids"])
@@ -285,13 +319,9 @@ class Server:
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of not in (None, body.n):
             raise APIError(400, f"best_of must equal n ({body.n}): every sampled sequence is returned", param="best_of")
-        prompts = body.prompts()
-        if len(prompts) > self.settings.max_prompts_per_request:
-            raise APIError(400, f"prompt: at most {self.settings.max_prompts_per_request} prompts in one request "
-                           "(--max-prompts-per-request)", param="prompt")
+        tokens = await self._tokenized(body, body.prompts(), "prompt")
         request_id = self._request_id(body, http)
         response_id = f"cmpl-{request_id}"
-        tokens = await asyncio.to_thread(lambda: [self._prompt(p, body) for p in prompts])
         submissions = self._submissions(body, tokens, response_id)
         if body.stream:
             stream = self._stream_completion(body, submissions, response_id)
@@ -346,20 +376,20 @@ class Server:
 
     def _stream_completion(self, body: CompletionRequest, submissions: list[Submission],
                            response_id: str) -> AsyncIterator[str]:
-        def choice(out: RequestOutput, comp: CompletionOutput, sent: tuple[int, int] | None) -> dict[str, Any] | None:
+        def choice(out: RequestOutput, comp: CompletionOutput, sent: tuple[int, int] | None) -> list[dict[str, Any]]:
             chars, tokens = sent or (0, 0)
             text, token_ids, entries = comp.text[chars:], comp.token_ids[tokens:], (comp.logprobs or [])[tokens:]
             echo_now = body.echo and sent is None
             if not (text or comp.finish_reason or (echo_now and comp.token_ids)):  # wait for the prompt's prefill
-                return None
+                return []
             offset = chars + (len(out.prompt) if body.echo else 0)
             if echo_now:
                 text, token_ids = out.prompt + text, out.prompt_token_ids + token_ids
                 entries, offset = (out.prompt_logprobs or []) + entries, 0
             logprobs = (self._completion_logprobs(token_ids, entries, body.logprobs, offset)
                         if body.logprobs is not None else None)
-            return {"text": text, "logprobs": logprobs, "finish_reason": comp.finish_reason,
-                    "stop_reason": comp.stop_reason}
+            return [{"text": text, "logprobs": logprobs, "finish_reason": comp.finish_reason,
+                     "stop_reason": comp.stop_reason}]
 
         return self._stream(submissions, response_id, "text_completion", choice, body.stream_options)
 
@@ -371,34 +401,49 @@ class Server:
 
     async def _chat(self, body: ChatCompletionRequest, http: Request, started: Callable[[], None]) -> Response:
         self.check_model(body.model)
-        # tools are given to the template only to be ignored with tool_choice "none"; absent, it means "auto"
-        if body.tool_choice != "none" and (body.tools or body.tool_choice is not None):
-            raise APIError(400, 'tool calling is not supported yet (tools are accepted with tool_choice "none")',
-                           param="tool_choice" if body.tool_choice is not None else "tools")
+        with _as_400():
+            tools = tool_request(body.tools, body.tool_choice, body.parallel_tool_calls, self.parsers)
         request_id = self._request_id(body, http)
         response_id = f"chatcmpl-{request_id}"
-        submissions = self._submissions(body, [await self._chat_prompt(body)], response_id)
+        prompt = await self._chat_prompt(body, tools)
+        submissions = self._submissions(body, [prompt], response_id, self._chat_params(body, tools, prompt["prompt"]))
         n = submissions[0][1].logprobs
         if body.stream:
-            return await self._start_stream(http, self._stream_chat(body, submissions, response_id), request_id)
+            return await self._start_stream(http, self._stream_chat(body, submissions, response_id, tools), request_id)
         (out,) = await self._run(http, submissions, started)
-        choices = [
-            {
+        choices = []
+        for comp in out.outputs:
+            message = OutputReader(self.parsers, tools, self.tokenizer).read(comp.text)
+            choices.append({
                 "index": comp.index,
-                "message": {"role": "assistant", "content": comp.text},
+                "message": self._message(message.reasoning, message.content, message.tool_calls),
                 "logprobs": {"content": self._chat_logprobs(comp.token_ids, comp.logprobs or [], n)}
                 if n is not None else None,
-                "finish_reason": comp.finish_reason,
+                "finish_reason": finish_reason(comp.finish_reason, bool(message.tool_calls)),
                 "stop_reason": comp.stop_reason,
-            }
-            for comp in out.outputs
-        ]
+            })
         response = {"id": response_id, "object": "chat.completion", "created": int(time.time()),
                     "model": self.model_name, "choices": choices,
                     "usage": _usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
         if body.prompt_logprobs is not None:
             response["prompt_logprobs"] = _prompt_logprobs(out)
         return JSONResponse(response, headers={"X-Request-Id": request_id})
+
+    def _chat_params(self, body: ChatCompletionRequest, tools: ToolRequest, prompt: str) -> SamplingParams:
+        with _as_400():
+            return chat_params(body.sampling_params(self.defaults, self.max_logprobs), tools, self.parsers, prompt,
+                               self.engine.view)
+
+    def _message(self, reasoning: str | None, content: str | None, calls: list) -> dict[str, Any]:
+        """A whole message; reasoning_content with a reasoning parser, tool_calls when there are calls."""
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.parsers.reasoning_parser is not None:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                     for c in calls]
+        return message
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[PositionLogprobs], n: int) -> list[dict[str, Any]]:
         out = []
@@ -412,20 +457,27 @@ class Server:
             })
         return out
 
-    def _stream_chat(self, body: ChatCompletionRequest, submissions: list[Submission],
-                     response_id: str) -> AsyncIterator[str]:
+    def _stream_chat(self, body: ChatCompletionRequest, submissions: list[Submission], response_id: str,
+                     tools: ToolRequest) -> AsyncIterator[str]:
         n = submissions[0][1].logprobs
+        readers: dict[int, OutputReader] = {}
+        fed: dict[int, int] = {}  # characters of each choice's text given to its reader (which may hold some back)
 
-        def choice(_out: RequestOutput, comp: CompletionOutput, sent: tuple[int, int] | None) -> dict[str, Any] | None:
-            chars, tokens = sent or (0, 0)
-            text = comp.text[chars:]
-            if not text and comp.finish_reason is None:
-                return None
+        def choice(_out: RequestOutput, comp: CompletionOutput, sent: tuple[int, int] | None) -> list[dict[str, Any]]:
+            reader = readers.setdefault(comp.index, OutputReader(self.parsers, tools, self.tokenizer))
+            text, fed[comp.index] = comp.text[fed.get(comp.index, 0) :], len(comp.text)
+            deltas = _chat_deltas(reader.feed(text, final=comp.finish_reason is not None))
+            if not deltas and comp.finish_reason is None:
+                return []
+            tokens = (sent or (0, 0))[1]
             logprobs = (
                 {"content": self._chat_logprobs(comp.token_ids[tokens:], (comp.logprobs or [])[tokens:], n)}
                 if n is not None else None
             )
-            return {"delta": {"content": text} if text else {}, "logprobs": logprobs, "finish_reason": comp.finish_reason}
+            items = [{"delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas or [{}]]
+            items[0]["logprobs"] = logprobs
+            items[-1]["finish_reason"] = finish_reason(comp.finish_reason, reader.made_calls)
+            return items
 
         # OpenAI opens every choice with the assistant role.
         preamble = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -437,11 +489,11 @@ class Server:
         submissions: list[Submission],
         response_id: str,
         obj: str,
-        choice: Callable[[RequestOutput, CompletionOutput, tuple[int, int] | None], dict[str, Any] | None],
+        choice: Callable[[RequestOutput, CompletionOutput, tuple[int, int] | None], list[dict[str, Any]]],
         stream_options: StreamOptions | None,
         preamble: list[dict[str, Any]] | None = None,
     ) -> AsyncIterator[str]:
-        """Server-sent events: a chunk whenever ``choice`` has news for a choice (given the characters and tokens
+        """Server-sent events: a chunk for each item ``choice`` returns for a choice (given the characters and tokens
         already sent, None before its first chunk), indexed prompt * n + sequence as OpenAI does; usage in every
         chunk with continuous_usage_stats, in a last one with include_usage; then [DONE]."""
         created = int(time.time())
@@ -461,12 +513,13 @@ class Server:
             finals[p] = out
             for comp in out.outputs:
                 index = p * n + comp.index
-                item = choice(out, comp, sent.get(index))
-                if item is None:
+                items = choice(out, comp, sent.get(index))
+                if not items:
                     continue
                 sent[index] = (len(comp.text), len(comp.token_ids))
-                yield event([{"index": index, **item}],
-                            _usage(len(out.prompt_token_ids), len(comp.token_ids)) if continuous else None)
+                for item in items:
+                    yield event([{"index": index, **item}],
+                                _usage(len(out.prompt_token_ids), len(comp.token_ids)) if continuous else None)
             if out.finished:
                 self.metrics.observe_request(out, start)
         if stream_options is not None and stream_options.include_usage:
@@ -494,6 +547,24 @@ class Server:
             raise APIError(400, f"tokens: token ids must be below the vocabulary size {vocab}", param="tokens")
         return {"prompt": await asyncio.to_thread(self.tokenizer.decode, body.tokens, skip_special_tokens=False)}
 
+    # --- /v1/embeddings (fw_cli.server.embeddings) ------------------------------
+
+    async def embeddings(self, body: EmbeddingRequest, http: Request) -> Response:
+        with self._queued() as started:
+            self.check_model(body.model)
+            if "embed" not in self.engine.view.supported_tasks:
+                raise APIError(400, f"The model `{self.model_name}` does not support the Embeddings API: it cannot "
+                               "pool its hidden states", param="model")
+            prompts = await self._tokenized(body, body.inputs(), "input")
+            request_id = self._request_id(body, http)
+            response_id = f"embd-{request_id}"
+            params = pooling_params(body)
+            submissions = [(prompt, params, f"{response_id}-{i}" if len(prompts) > 1 else response_id, body.priority)
+                           for i, prompt in enumerate(prompts)]
+            outputs = await self._run(http, submissions, started)
+            return JSONResponse(embedding_response(body, outputs, self.model_name, response_id),
+                                headers={"X-Request-Id": request_id})
+
     # --- helpers --------------------------------------------------------------
 
     async def _start_stream(self, http: Request, stream: AsyncIterator[str], request_id: str) -> StreamingResponse:
@@ -512,6 +583,18 @@ class Server:
                 yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream", headers={"X-Request-Id": request_id})
+
+
+def _chat_deltas(delta: ChatDelta) -> list[dict[str, Any]]:
+    """A reader's news as chunk deltas: reasoning and content together, then each tool-call piece in its own
+    (OpenAI's shape: a call's first piece has its id, type and name, with arguments "", then its arguments)."""
+    text = {key: value for key, value in (("reasoning_content", delta.reasoning), ("content", delta.content)) if value}
+    calls = [
+        {"tool_calls": [{"index": c.index, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}}
+                        if c.id is not None else {"index": c.index, "function": {"arguments": c.arguments}}]}
+        for c in delta.calls
+    ]
+    return ([text] if text else []) + calls
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -577,7 +660,8 @@ def build_app(server: Server) -> FastAPI:
         return {
             "object": "list",
             "data": [{"id": server.model_name, "object": "model", "created": server.created, "owned_by": "fw",
-                      "max_model_len": server.max_model_len}],
+                      "max_model_len": server.max_model_len,
+                      "supported_tasks": list(server.engine.view.supported_tasks)}],  # vLLM's task names
         }
 
     @app.post("/v1/completions")
@@ -595,6 +679,10 @@ def build_app(server: Server) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         return await server.detokenize(body)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await server.embeddings(body, request)
 
     return app
 

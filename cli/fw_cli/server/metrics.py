@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from fw.engine.client import EngineClient, ReplicaStats
 from fw.kv_transfers import KVConnectorStats
-from fw.outputs import RequestOutput
+from fw.outputs import PoolingRequestOutput, RequestOutput
+
+if TYPE_CHECKING:
+    from fw.engine.spec_decode import SpecDecodeStats
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -37,8 +41,23 @@ class _EngineState:
                                   value=stats.prefix_cache_queries)
         yield CounterMetricFamily("fw:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                   value=stats.prefix_cache_hits)
+        yield CounterMetricFamily("fw:num_preemptions", PREEMPTIONS_DOC, value=stats.num_preemptions)
         if stats.kv_connector is not None:
             yield from _connector_families(stats.kv_connector)
+        if stats.spec_decode is not None:
+            yield from _spec_decode_families(stats.spec_decode)
+
+
+PREEMPTIONS_DOC = "Requests preempted (their KV freed, recomputed later)."
+
+
+def _spec_decode_families(stats: SpecDecodeStats):
+    yield CounterMetricFamily("fw:spec_decode_num_drafts", "Request steps that verified draft tokens.",
+                              value=stats.num_drafts)
+    yield CounterMetricFamily("fw:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                              value=stats.num_draft_tokens)
+    yield CounterMetricFamily("fw:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                              value=stats.num_accepted_tokens)
 
 
 def _connector_families(stats: KVConnectorStats):
@@ -71,6 +90,7 @@ def _replica_families(replicas: tuple[ReplicaStats, ...]):
          "prefix_cache_queries"),
         (CounterMetricFamily, "fw:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
          "prefix_cache_hits"),
+        (CounterMetricFamily, "fw:num_preemptions", PREEMPTIONS_DOC, "num_preemptions"),
         (CounterMetricFamily, "fw:requests_routed", "Requests the server sent to each data-parallel replica.",
          "routed"),
     ]
@@ -96,11 +116,16 @@ class Metrics:
         self.e2e = Histogram("fw:e2e_request_latency_seconds", "End-to-end request latency.",
                              buckets=LATENCY_BUCKETS, registry=r)
 
-    def observe_request(self, output: RequestOutput | None, start: float) -> None:
+    def observe_request(self, output: RequestOutput | PoolingRequestOutput | None, start: float) -> None:
         """Account a request the server saw to its end (``start``: time.monotonic() at arrival)."""
         if output is None:
             return
         now = time.monotonic()
+        if isinstance(output, PoolingRequestOutput):  # embeddings: a prompt, nothing generated
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
+            self.requests.labels(finished_reason="stop").inc()
+            self.e2e.observe(now - start)
+            return
         generated = sum(len(c.token_ids) for c in output.outputs)
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.generation_tokens.inc(generated)

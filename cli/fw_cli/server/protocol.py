@@ -135,9 +135,7 @@ class _SamplingFields(_Lenient):
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _keep_some(cls, value: int | None) -> int | None:
-        if value == 0:
-            raise ValueError("must be -1 (max_model_len) or a positive number of tokens")
-        return value
+        return _truncation(value)
 
     def token_limit(self) -> int | None:
         return self.max_tokens
@@ -230,6 +228,25 @@ class _SamplingFields(_Lenient):
         )
 
 
+def _truncation(value: int | None) -> int | None:
+    if value == 0:
+        raise ValueError("must be -1 (max_model_len) or a positive number of tokens")
+    return value
+
+
+def _non_empty_prompts(value: Any, name: str) -> Any:
+    if value in ("", [], [[]]):
+        raise ValueError(f"the {name} must not be empty")
+    return value
+
+
+def _prompt_list(value: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """One prompt (a text, or token ids) or a list of them, as a list of prompts."""
+    if isinstance(value, str) or (value and isinstance(value[0], int)):
+        return [value]  # type: ignore[list-item]
+    return list(value)  # type: ignore[arg-type]
+
+
 class CompletionRequest(_SamplingFields):
     default_max_tokens = 16  # OpenAI's
     logprobs_field = "logprobs"
@@ -249,14 +266,10 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _non_empty(cls, value: Any) -> Any:
-        if value in ("", [], [[]]):
-            raise ValueError("the prompt must not be empty")
-        return value
+        return _non_empty_prompts(value, "prompt")
 
     def prompts(self) -> list[str | list[int]]:
-        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
-            return [self.prompt]  # type: ignore[list-item]
-        return list(self.prompt)  # type: ignore[arg-type]
+        return _prompt_list(self.prompt)
 
 
 class ChatMessage(BaseModel):
@@ -324,3 +337,32 @@ class TokenizeRequest(_ChatTemplateFields):
 class DetokenizeRequest(_Lenient):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class EmbeddingRequest(_Lenient):
+    """OpenAI's /v1/embeddings body, with vLLM's extras (truncate_prompt_tokens, add_special_tokens, normalize,
+    priority, request_id)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the last k prompt tokens; -1: max_model_len
+    add_special_tokens: bool = True
+    normalize: bool | None = None  # None: the model's pooling config (by default, normalized)
+    priority: int = 0
+    request_id: str | None = Field(None, pattern=r"^[!-~]{1,256}$")  # printable ASCII: it goes back as a header
+
+    @field_validator("input")
+    @classmethod
+    def _non_empty(cls, value: Any) -> Any:
+        return _non_empty_prompts(value, "input")
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keep_some(cls, value: int | None) -> int | None:
+        return _truncation(value)
+
+    def inputs(self) -> list[str | list[int]]:
+        return _prompt_list(self.input)

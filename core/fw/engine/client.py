@@ -18,14 +18,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from fw.engine.spec_decode import SpecDecodeStats
     from fw.inputs import PromptType
     from fw.interfaces.hooks import EngineView
     from fw.kv_transfers import KVConnectorStats
     from fw.outputs import RequestOutput
+    from fw.pooling import PoolingParams
     from fw.sdk.sampling_params import SamplingParams
 
-# What an engine client runs: (prompt, params, request id, priority).
-Submission = tuple["PromptType", "SamplingParams", str, int]
+# What an engine client runs: (prompt, params, request id, priority); PoolingParams make it a pooling request.
+Submission = tuple["PromptType", "SamplingParams | PoolingParams", str, int]
 
 
 class EngineError(ValueError):
@@ -42,7 +44,9 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # fraction of KV-cache blocks in use
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, in total
     prefix_cache_hits: int = 0
+    num_preemptions: int = 0  # requests preempted (their KV freed, to recompute later), in total
     kv_connector: KVConnectorStats | None = None  # the connector's totals; None without a connector
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding's totals; None without speculation
     replicas: tuple[ReplicaStats, ...] = ()  # -dp N: each replica's, as it last reported, by rank
 
 
@@ -77,7 +81,8 @@ class SyncEngineClient(_EngineFacts, Protocol):
     """An engine its caller steps: add requests, ``step()`` until none is unfinished, abort what it gives up on."""
 
     def add_request(
-        self, prompt: PromptType, params: SamplingParams | None = None, request_id: str | None = None, priority: int = 0
+        self, prompt: PromptType, params: SamplingParams | PoolingParams | None = None, request_id: str | None = None,
+        priority: int = 0,
     ) -> str: ...
 
     def abort_request(self, request_id: str) -> RequestOutput | None: ...

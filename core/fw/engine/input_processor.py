@@ -10,6 +10,7 @@ from fw.detokenizer import IncrementalDetokenizer
 from fw.engine.client import EngineError
 from fw.inputs import PromptType, TextPrompt, TokensPrompt, parse_prompt
 from fw.logits_processors import LogitsProcessor, allow_only, bad_words_token_ids, ban_sequences
+from fw.pooling import PoolerConfig, Pooling, PoolingParams
 from fw.request import Request, new_metrics
 from fw.sdk.sampling_params import SamplingParams
 from fw.sdk.tokenizer import Tokenizer
@@ -48,7 +49,9 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
 
-    def token_ids(self, prompt: PromptType, params: SamplingParams) -> tuple[TextPrompt | TokensPrompt, list[int]]:
+    def token_ids(
+        self, prompt: PromptType, params: SamplingParams | PoolingParams
+    ) -> tuple[TextPrompt | TokensPrompt, list[int]]:
         """The parsed prompt and its token ids, truncated as ``params`` asks and checked against the model."""
         parsed = parse_prompt(prompt)
         token_ids = prompt_token_ids(parsed, self.tokenizer)
@@ -81,6 +84,17 @@ class InputProcessor:
             ))
         return sequences
 
+    def pooling_request(
+        self, request_id: str, prompt: TextPrompt | TokensPrompt, token_ids: list[int], pooler: PoolerConfig,
+        params: PoolingParams, priority: int,
+    ) -> Request:
+        """A pooling request's one sequence; its SamplingParams are neutral, as it samples nothing."""
+        return Request(
+            request_id, token_ids, SamplingParams(detokenize=False), self.eos_token_ids, self.max_model_len, priority,
+            prompt.get("prompt"), group_id=request_id, cache_keys=(salt,) if (salt := prompt.get("cache_salt")) else (),
+            pooling=Pooling.of(pooler, params),
+        )
+
     def token_masks(self, params: SamplingParams) -> list[LogitsProcessor]:
         """Logits processors for allowed_token_ids and bad_words. Every token id and top_k is checked against the
         vocabulary first: a value out of range would fail the step that the other requests share."""
@@ -96,18 +110,20 @@ class InputProcessor:
         masks = [allow_only(params.allowed_token_ids)] if params.allowed_token_ids is not None else []
         return masks + ([ban_sequences(bad)] if bad else [])
 
-    def _validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+    def _validate_prompt(self, token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         if not token_ids:
             raise EngineError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
+        # A pooled prompt may fill the context; a generating one must leave room for a token.
+        generates = isinstance(params, SamplingParams)
+        if len(token_ids) > self.max_model_len - generates:
             raise EngineError(
-                f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
-                "nothing would be left to generate"
+                f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}"
+                + (": nothing would be left to generate" if generates else "")
             )
         vocab = self.vocab_size
         if max(token_ids) >= vocab or min(token_ids) < 0:
             raise EngineError(f"prompt token ids must be in [0, {vocab})")
-        if params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
+        if generates and params.max_tokens is not None and len(token_ids) + params.max_tokens > self.max_model_len:
             raise EngineError(
                 f"the prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})"

@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from fw.interfaces.sampler import SamplerOutput
-from fw.outputs import CompletionOutput, Logprob, RequestOutput
+from fw.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput
 from fw.request import Request
 from fw.scheduler import ScheduledBatch
 from fw.sdk.tokenizer import Tokenizer
@@ -64,9 +64,12 @@ class OutputProcessor:
                     request.prompt_logprobs.append(entry)
                 row += 1
 
-    def request_output(self, request_id: str, sequences: list[Request]) -> RequestOutput:
-        """A request's output so far: every sequence's, finished once all are."""
+    def request_output(self, request_id: str, sequences: list[Request]) -> RequestOutput | PoolingRequestOutput:
+        """A request's output so far: every sequence's, finished once all are; a pooling request's vector."""
         first = sequences[0]
+        if first.pooling is not None:
+            return PoolingRequestOutput(request_id, PoolingOutput(first.pooling.result), first.prompt_token_ids,
+                                        first.finished, first.num_cached_tokens)
         return RequestOutput(
             request_id=request_id,
             prompt=first.prompt,

@@ -109,6 +109,8 @@ class EngineView:
     max_model_len: int
     selected: Mapping[str, str]  # slot -> the name of the plugin serving it ("sampler" -> "default")
     sampler_features: frozenset[str]  # the selected sampler's features ("beam", "structured", ...)
+    # What it serves, with vLLM's task names: "generate", and "embed" where the model can pool (fw.pooling).
+    supported_tasks: tuple[str, ...] = ("generate",)
 
 
 @hookspec
@@ -120,7 +122,7 @@ def fw_engine_started(engine: EngineView) -> None:
 def fw_request_added(
     request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, engine: EngineView
 ) -> None:
-    """A request was admitted to ``engine``'s waiting queue."""
+    """A generation request was admitted to ``engine``'s waiting queue (pooling requests reach no request hooks)."""
 
 
 @hookspec
@@ -132,7 +134,8 @@ def fw_logits_processors(
 
 @hookspec
 def fw_request_finished(request_id: str, output: Any, engine: EngineView) -> None:
-    """A request finished (stopped, hit a length limit, or was aborted); ``output`` is its final output."""
+    """A generation request finished (stopped, hit a length limit, or was aborted); ``output`` is its final
+    output."""
 
 
 @dataclass(frozen=True)

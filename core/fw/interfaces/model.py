@@ -60,6 +60,9 @@ class ModelBase(ABC):
     # True when a decode step runs the same ops on tensors every time, so fw.decode_graph may trace it once and
     # replay it; False for a model whose step reads tensor values into Python (DeepSeek's routing).
     decode_graphs: ClassVar[bool] = False
+    # True when ``forward`` returns the final hidden states that ``compute_logits`` reads (after the final norm):
+    # what embeddings pool (fw.pooling). False refuses pooling requests with a clear error.
+    supports_pooling: ClassVar[bool] = True
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

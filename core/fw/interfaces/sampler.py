@@ -10,6 +10,10 @@ of requests through ``add_request`` — called before the request is admitted,
 so an invalid constraint is rejected with its reason — and forgets them in
 ``remove_request``. ``is_ready`` lets slow preparation (compiling a grammar)
 happen off the hot path: the scheduler admits the request only once ready.
+
+With speculative decoding, a request's rows are its positions (its last token, then each draft token), each
+with ``output_token_ids`` as they would be at that position; ``probabilities`` gives the distributions the
+drafts are checked against.
 """
 
 from __future__ import annotations
@@ -89,3 +93,9 @@ class Sampler(ABC):
 
     @abstractmethod
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput: ...
+
+    def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """[B, V] float32: the distribution ``sample`` draws each row's token from, after everything it applies
+        (penalties, biases, temperature, truncation), one-hot at the chosen token for greedy rows. Speculative
+        decoding verifies draft tokens against it, so without it the engine refuses speculation."""
+        raise NotImplementedError(f"{type(self).__name__} does not give its sampling probabilities")

@@ -13,7 +13,18 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from fw.interfaces import attention, checkpoint_format, comm, kvconnector, model, quant, sampler
+from fw.interfaces import (
+    attention,
+    checkpoint_format,
+    comm,
+    kvconnector,
+    model,
+    quant,
+    reasoning_parser,
+    sampler,
+    spec_proposer,
+    tool_parser,
+)
 from fw.interfaces.base import Capabilities
 
 # Kind -> interface module; each module defines API_VERSION (and ``adapt``, once it changed since the previous one).
@@ -25,6 +36,9 @@ INTERFACES = {
     "kv_connector": kvconnector,
     "sampler": sampler,
     "checkpoint_format": checkpoint_format,
+    "spec_proposers": spec_proposer,
+    "tool_parsers": tool_parser,
+    "reasoning_parsers": reasoning_parser,
 }
 # Older spellings of a kind, accepted wherever a kind is named (entry-point groups, selectors, --plugin-option).
 KIND_ALIASES = {"kvconnector": "kv_connector"}

@@ -28,12 +28,13 @@ from torch import nn
 
 from fw.interfaces.attention import AttentionLayerSpec, MLADims
 from fw.layers.attention import MLAAttention
+from fw.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from fw.layers.layernorm import RMSNorm
 from fw.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from fw.layers.moe import FusedMoE
 from fw.layers.rotary import RotaryEmbedding
 from fw.models.base import HFConfig, ModelContext
-from fw.models.llama import GatedMLP, LlamaForCausalLM
+from fw.models.llama import DecoderLayer, GatedMLP, LlamaForCausalLM, OtherStageLayer
 
 # The low-rank norms take RMSNorm's default epsilon, not rms_norm_eps (as DeepSeek's and transformers' code).
 LORA_NORM_EPS = 1e-6
@@ -225,14 +226,88 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             return DeepseekMoE(config, ctx, prefix, v3=self.v3)
         return super().make_mlp(config, ctx, layer_idx, prefix)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        # V3 checkpoints append multi-token-prediction layers (model.layers.{num_hidden_layers}...): not served.
-        def decoder(name: str) -> bool:
-            parts = name.split(".")
-            return not (parts[:2] == ["model", "layers"] and int(parts[2]) >= self.num_layers)
+    def checkpoint_name(self, name: str) -> str | None:
+        """The name this model loads the checkpoint tensor ``name`` as; None to skip it. V3 checkpoints append
+        multi-token-prediction layers (``model.layers.{num_hidden_layers}...``): the MTP head loads those."""
+        parts = name.split(".")
+        return None if parts[:2] == ["model", "layers"] and int(parts[2]) >= self.num_layers else name
 
-        return super().load_weights((name, tensor) for name, tensor in weights if decoder(name))
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        renamed = ((self.checkpoint_name(name), tensor) for name, tensor in weights)
+        return super().load_weights((name, tensor) for name, tensor in renamed if name is not None)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     v3 = True
+
+    @classmethod
+    def mtp_head(cls) -> type[nn.Module]:
+        """The model of the checkpoint's multi-token-prediction layer (speculative_config method mtp)."""
+        return DeepseekMTP
+
+
+class MTPLayer(DecoderLayer):
+    """DeepSeek-V3's multi-token-prediction module (``model.layers.{num_hidden_layers}``): the next token's embedding
+    and the previous depth's hidden state, each normed, projected together to the hidden size (``eh_proj``), then a
+    decoder layer; ``shared_head`` norms and projects to the vocabulary."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, config: HFConfig, ctx: ModelContext, prefix: str) -> None:
+        super().__init__(self_attn, mlp, config, ctx)
+        hidden, eps = config.hidden_size, config.get("rms_norm_eps", 1e-6)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, params_dtype=ctx.dtype)
+        self.enorm = RMSNorm(hidden, eps, params_dtype=ctx.dtype)
+        self.hnorm = RMSNorm(hidden, eps, params_dtype=ctx.dtype)
+        self.eh_proj = ReplicatedLinear(
+            2 * hidden, hidden, bias=False, quant=ctx.quant, prefix=f"{prefix}.eh_proj", params_dtype=ctx.dtype
+        )
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(hidden, eps, params_dtype=ctx.dtype)
+        self.shared_head.head = ParallelLMHead(config.vocab_size, hidden, params_dtype=ctx.dtype, quant=ctx.quant)
+
+
+class DeepseekMTP(DeepseekV3ForCausalLM):
+    """The checkpoint's first multi-token-prediction layer as a model of its own, with the checkpoint's names
+    (placeholders stand for the decoder layers before it). It derives from the target's class for its layer
+    builders and loading only.
+
+    Position p computes token p + 1 (``input_ids``) from the previous depth's hidden state at p: the target's final
+    hidden state, or this head's own output when it chains further drafts. The model interface's forward takes ids
+    and positions only, so the draft runner sets ``previous_hidden`` [T, hidden] before each forward. The output is
+    the layer's hidden state before ``shared_head.norm``, which is what a further depth reads."""
+
+    def __init__(self, config: HFConfig, ctx: ModelContext) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.num_layers = n = config.num_hidden_layers
+        self.stage = range(n)
+        prefix = f"model.layers.{n}"
+        rotary = self.make_rotary(config)
+        attn = self.make_attention(config, ctx, rotary, n, f"{prefix}.self_attn")
+        layer = MTPLayer(attn, self.make_mlp(config, ctx, n, f"{prefix}.mlp"), config, ctx, prefix)
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([*(OtherStageLayer() for _ in range(n)), layer])
+        self.previous_hidden: torch.Tensor | None = None
+
+    @property
+    def layer(self) -> MTPLayer:
+        return self.model.layers[-1]
+
+    def checkpoint_name(self, name: str) -> str | None:
+        # The embedding and head are shared with the target: a checkpoint that stores them once still loads.
+        own = f"model.layers.{self.num_layers}."
+        shared = {"model.embed_tokens.weight": "embed_tokens.weight", "lm_head.weight": "shared_head.head.weight"}
+        if name in shared:
+            return own + shared[name]
+        return name if name.startswith(own) else None
+
+    def attention_specs(self) -> list[AttentionLayerSpec]:
+        return [self.layer.self_attn.attn.spec]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        layer = self.layer
+        joined = torch.cat([layer.enorm(layer.embed_tokens(input_ids)), layer.hnorm(self.previous_hidden)], dim=-1)
+        hidden, residual = layer(positions, layer.eh_proj(joined), None)
+        return hidden + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.layer.shared_head.head(self.layer.shared_head.norm(hidden))

@@ -20,6 +20,10 @@ is timed again.
 - ``FW_KERNEL_CACHE=PATH`` moves the cache file (default
   ``$XDG_CACHE_HOME/fw/kernels.json``); a corrupt file is ignored and rebuilt.
 
+The choices an engine makes while loading a model, or in its first steps, are
+reported as one line at INFO (``choosing``), each one's timings at DEBUG; on a
+terminal a progress line shows meanwhile.
+
 A candidate prepares the weight once (its layout: a packed copy, a float32
 copy, or the weight as is) and then runs ``run(state, x, *args)``. Where two
 row classes prefer different layouts, the layer keeps a second copy only if
@@ -29,6 +33,7 @@ it is at least ``LAYOUT_GAIN`` times faster there: memory is not spent for noise
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import importlib.metadata
 import importlib.util
@@ -37,10 +42,12 @@ import logging
 import math
 import os
 import platform
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,12 +104,17 @@ class Selection:
     op: str
     key: tuple
     names: tuple[str, ...]  # per row class
+    among: tuple[str, ...]  # the candidates that could run when it was made
     _bounds: list[float] = field(repr=False)
     _entries: list[tuple[Callable[..., torch.Tensor], Any]] = field(repr=False)
 
     def __call__(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
         run, state = self._entries[bisect.bisect_left(self._bounds, x.numel() // x.shape[-1])]
         return run(state, x, *args)
+
+    def replace(self, other: Selection) -> None:
+        """Runs ``other``'s choice from now on: the layers that hold this selection keep holding it."""
+        self.names, self.among, self._entries = other.names, other.among, other._entries
 
     @property
     def states(self) -> list[Any]:
@@ -142,24 +154,38 @@ class Operation:
             raise RuntimeError(f"{self.name}: no candidate supports {key} (registered: {', '.join(self.candidates)})")
         forced = _forced(self.name, self.candidates)
         if forced is not None:
+            if forced not in usable and native.building():  # what is forced may be what builds: it must run
+                native.wait()
+                usable = {c.name: c for c in self.supported(key)}
             if forced not in usable:
                 raise RuntimeError(f"FW_KERNELS forces {self.name}={forced}, which cannot run {key} here "
                                    f"(can: {', '.join(usable)})")
             names = (forced,) * len(self.rows)
         else:
             names = _UNCACHED.get((self.name, key)) or _CACHE.lookup(self.name, key, usable)
+            burst = getattr(_bursts, "current", None)
             if names is None or len(names) != len(self.rows):
+                if burst is not None:
+                    burst.progress(self.name)
                 before = _cpu_times()
                 names = self._measure(key, weight, sample, usable)
-                others = _others_share(before, _cpu_times())
-                if others <= BUSY_SHARE:
+                others = _others_share(before, _cpu_times()) if len(usable) > 1 else 0.0  # nothing timed
+                if others <= BUSY_SHARE and not native.building():
                     _CACHE.store(self.name, key, names, usable)
                 else:  # kept for this process, so that its layers of one shape still agree
                     _UNCACHED[(self.name, key)] = names
-                    logger.warning("%s %s: other processes used %.0f%% of the CPUs while fw timed kernels; the "
-                                   "choice serves this process only and is measured again next time", self.name,
-                                   key, 100 * others)
-        return self._build(key, weight, names, usable)
+                    if others > BUSY_SHARE:
+                        logger.debug("%s %s: other processes used %.0f%% of the CPUs while fw timed kernels; the "
+                                     "choice serves this process only and is measured again next time", self.name,
+                                     key, 100 * others)
+                if burst is not None:
+                    burst.timed(self.name, names, others if others > BUSY_SHARE else None)
+            elif burst is not None:
+                burst.reused += 1
+        selection = self._build(key, weight, names, usable)
+        if forced is None and native.building():  # chosen again when what builds lands (refresh)
+            _PROVISIONAL.append(_Provisional(self, key, weight, sample, selection))
+        return selection
 
     def _build(self, key: tuple, weight: Any, names: Sequence[str], usable: dict[str, Candidate]) -> Selection:
         states: dict[str, Any] = {}
@@ -169,7 +195,7 @@ class Operation:
             if c.layout not in states:
                 states[c.layout] = c.prepare(weight)
             entries.append((c.run, states[c.layout]))
-        selection = Selection(self.name, key, tuple(names), self._bounds, entries)
+        selection = Selection(self.name, key, tuple(names), tuple(sorted(usable)), self._bounds, entries)
         _CHOSEN[(self.name, key)] = selection.names
         return selection
 
@@ -185,10 +211,70 @@ class Operation:
             times = [_race({n: functools.partial(c.run, states[c.layout], *sample(rows)) for n, c in usable.items()})
                      for rows in self.rows]
         names = _fewest_layouts(times, usable)
-        logger.info("%s %s: chose %s (%s)", self.name, key, "/".join(names), "; ".join(
+        logger.debug("%s %s: chose %s (%s)", self.name, key, "/".join(names), "; ".join(
             f"{r} rows: " + ", ".join(f"{n} {t * 1e6:.0f} us" for n, t in sorted(ts.items(), key=lambda i: i[1]))
             for r, ts in zip(self.rows, times, strict=True)))
         return names
+
+
+class _Burst:
+    """The choices made within one ``choosing``: what its summary line reports."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.start = time.perf_counter()
+        self.reused = 0  # choices not timed: found in the cache, or made earlier by this process
+        self.chosen: dict[str, Counter[str]] = {}  # op -> how often each per-row-class choice was timed
+        self.busy: list[float] = []  # other processes' CPU share during each choice timed on a busy machine
+        self.shown = False  # whether a progress line is on the terminal
+
+    def progress(self, op: str) -> None:
+        """A line rewritten in place on a terminal: the first start can time for many seconds."""
+        if logger.isEnabledFor(logging.INFO) and sys.stderr.isatty():
+            done = sum(sum(c.values()) for c in self.chosen.values())
+            sys.stderr.write(f"\r\x1b[Kfw: timing kernels for this CPU ({self.what}): {op}, {done} shapes done, "
+                             f"{time.perf_counter() - self.start:.0f} s")
+            sys.stderr.flush()
+            self.shown = True
+
+    def timed(self, op: str, names: tuple[str, ...], busy: float | None) -> None:
+        self.chosen.setdefault(op, Counter())["/".join(names)] += 1
+        if busy is not None:
+            self.busy.append(busy)
+
+    def report(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+        if not self.chosen:
+            return
+        chosen = sum(sum(c.values()) for c in self.chosen.values())
+        ops = "; ".join(f"{op} " + ", ".join(f"{names} x{n}" for names, n in counts.most_common())
+                        + f" (rows {'/'.join(map(str, _OPERATIONS[op].rows))})" for op, counts in self.chosen.items())
+        busy = (f"; {len(self.busy)} timed while other processes used up to {100 * max(self.busy):.0f}% of the CPUs "
+                "serve this process only" if self.busy else "")
+        logger.info("fw: kernel choice (%s): %d layers, %d shapes chosen in %.1f s: %s%s (each timing: "
+                    "FW_LOG_LEVEL=DEBUG)", self.what, chosen + self.reused, chosen, time.perf_counter() - self.start,
+                    ops, busy)
+
+
+_bursts = threading.local()
+
+
+@contextlib.contextmanager
+def choosing(what: str) -> Iterator[None]:
+    """Reports the kernel choices made inside as one INFO line at the end (``what``: the phase, e.g. "loading the
+    model"), with a progress line on a terminal meanwhile; nothing when every choice came from the cache. Nested
+    uses report in the outermost."""
+    if getattr(_bursts, "current", None) is not None:
+        yield
+        return
+    _bursts.current = burst = _Burst(what)
+    try:
+        yield
+    finally:
+        _bursts.current = None
+        burst.report()
 
 
 def _race(calls: dict[str, Callable[[], Any]]) -> dict[str, float]:
@@ -367,10 +453,41 @@ class _Cache:
                 logger.warning("cannot write the kernel cache %s: %s", path, exc)
 
 
+@dataclass(frozen=True, eq=False)
+class _Provisional:
+    """A selection made while native libraries built in the background, and what ``select`` made it from."""
+
+    op: Operation
+    key: tuple
+    weight: Any
+    sample: Callable[[int], tuple]
+    selection: Selection
+
+
 _OPERATIONS: dict[str, Operation] = {}
 _CHOSEN: dict[tuple[str, tuple], tuple[str, ...]] = {}
-_UNCACHED: dict[tuple[str, tuple], tuple[str, ...]] = {}  # choices timed on a busy machine
+_UNCACHED: dict[tuple[str, tuple], tuple[str, ...]] = {}  # choices timed on a busy machine, or while kernels built
+_PROVISIONAL: list[_Provisional] = []
 _CACHE = _Cache()
+
+
+def refresh() -> bool:
+    """Loads the native libraries built in the background since the last call (``native.poll``) and chooses again,
+    among the candidates that run now, wherever a selection was made without them. True when a library landed: a
+    step captured before it runs the old kernels. The engine calls it between steps."""
+    if not native.poll():
+        return False
+    provisional = list(_PROVISIONAL)
+    _PROVISIONAL.clear()
+    stale = [p for p in provisional if tuple(sorted(c.name for c in p.op.supported(p.key))) != p.selection.among]
+    for p in stale:  # first, so that layers of one shape time it once, together
+        _UNCACHED.pop((p.op.name, p.key), None)
+    with choosing("native kernels built in the background"):
+        for p in stale:
+            p.selection.replace(p.op.select(p.key, p.weight, p.sample))
+    if native.building():
+        _PROVISIONAL.extend(p for p in provisional if p not in stale)
+    return True
 
 
 def operations() -> dict[str, Operation]:

@@ -12,18 +12,28 @@ torch's when they get it.
 Its operators then live under ``torch.ops.<name>``. Without a compiler (or
 with ``FW_NATIVE=0``) ``load`` returns False and logs why once: every caller
 keeps a pure-torch path, which is also the reference its tests compare with.
+
+With ``FW_NATIVE_BUILD=background`` (``fw serve`` sets it: a first start should
+answer within seconds, not wait for compilers) a library not built yet builds
+in a child process while ``load`` says False, so the torch paths serve; the
+engine calls ``poll`` between steps, which loads what has been built since, and
+kernel choice then times the new candidates (``fw.sdk.kernels.refresh``).
 Shared helpers for kernels live in ``fw/csrc/fw_cpu.h``, on every build's include path.
 """
 
 from __future__ import annotations
 
 import fcntl
-import functools
 import hashlib
 import logging
 import os
+import subprocess
+import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +43,19 @@ INCLUDE = Path(__file__).parent.parent / "csrc"
 
 _build_seconds = 0.0
 _builds: dict[str, str] = {}  # library name -> digest of the version loaded
+_loaded: dict[str, bool] = {}  # library name -> whether ``load`` made it usable (asked per op: keyed by the name)
+
+
+@dataclass
+class _Build:
+    """A library building in a child process (``FW_NATIVE_BUILD=background``)."""
+
+    source: Path
+    process: subprocess.Popen
+    log: IO[bytes]  # the child's output: why a failed build failed
+
+
+_building: dict[str, _Build] = {}
 
 
 def builds() -> dict[str, str]:
@@ -61,11 +84,81 @@ def build_directory(name: str, source: Path) -> Path:
     return path
 
 
-@functools.cache
 def load(name: str, source: Path) -> bool:
-    """Build (or reuse) ``source`` as the operator library ``torch.ops.<name>``; True when it is usable."""
-    if os.environ.get("FW_NATIVE", "1") == "0":
+    """Build (or reuse) ``source`` as the operator library ``torch.ops.<name>``; True when it is usable. Under
+    ``FW_NATIVE_BUILD=background`` False while it builds, until a ``poll`` after the build loads it."""
+    usable = _loaded.get(name)
+    if usable is not None:
+        return usable
+    if name in _building:
         return False
+    if os.environ.get("FW_NATIVE", "1") == "0":
+        usable = False
+    elif os.environ.get("FW_NATIVE_BUILD") == "background" and not _built(name, source):
+        _start_build(name, source)
+        return False
+    else:
+        usable = _load(name, source)
+    _loaded[name] = usable
+    return usable
+
+
+def building() -> list[str]:
+    """The libraries building in the background now."""
+    return list(_building)
+
+
+def poll() -> list[str]:
+    """Loads the libraries whose background builds have finished since the last call; returns those that became
+    usable. Called between engine steps, so that a step's kernels never change under it."""
+    landed = []
+    for name, build in list(_building.items()):
+        if build.process.poll() is None:
+            continue
+        del _building[name]
+        build.log.seek(0)
+        output = build.log.read().decode(errors="replace").strip()
+        build.log.close()
+        if build.process.returncode == 0:
+            _loaded[name] = _load(name, build.source)
+        else:
+            _loaded[name] = False
+            logger.warning("native kernels %s unavailable, using the torch path: the build failed: %s", name,
+                           output.splitlines()[-1] if output else f"exit status {build.process.returncode}")
+        if _loaded[name]:
+            landed.append(name)
+            logger.info("native kernels %s built in the background: in use from now on", name)
+    return landed
+
+
+def wait() -> None:
+    """Waits for the background builds and loads what they built."""
+    for build in list(_building.values()):
+        build.process.wait()
+    poll()
+
+
+def _built(name: str, source: Path) -> bool:
+    """Whether this version of ``source`` has been built on this machine (loading it takes a moment, not a compiler)."""
+    try:
+        return (build_directory(name, source) / f"{name}.so").is_file()
+    except Exception:  # no build root to write: loading says why
+        return True
+
+
+def _start_build(name: str, source: Path) -> None:
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (open while the child writes; poll closes it)
+    # The child builds as ``load`` does and exits; this process loads the result at a ``poll``. At the server's
+    # priority: a lower one never finishes on a machine kept busy, and the torch paths would serve for good.
+    code = "import sys, pathlib; from fw.sdk import native; sys.exit(0 if native.load(sys.argv[1], pathlib.Path(sys.argv[2])) else 1)"
+    process = subprocess.Popen([sys.executable, "-c", code, name, str(source)], stdin=subprocess.DEVNULL,
+                               stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "FW_NATIVE_BUILD": "wait"})
+    _building[name] = _Build(source, process, log)
+    logger.info("native kernels %s: building in the background (%s); the torch path serves until then", name,
+                source.name)
+
+
+def _load(name: str, source: Path) -> bool:
     global _build_seconds
     start = time.perf_counter()
     try:

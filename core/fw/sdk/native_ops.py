@@ -11,7 +11,6 @@ devices, or a machine without a compiler, keep the torch path.
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import torch
@@ -22,9 +21,13 @@ _SOURCE = Path(__file__).parent.parent / "csrc" / "layers.cpp"
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
-@functools.cache
-def _built() -> bool:  # asked a few hundred times a decode step: native.load's cache hashes a Path each time
-    return native.load("fw_layers", _SOURCE)
+_ready = False  # once True for good; False is asked again (a build in the background may land, native.poll)
+
+
+def _built() -> bool:  # asked a few hundred times a decode step: a global is the cheapest answer
+    global _ready
+    _ready = _ready or native.load("fw_layers", _SOURCE)
+    return _ready
 
 
 def usable(x: torch.Tensor) -> bool:

@@ -20,15 +20,19 @@ class SamplingParamsError(ValueError):
 
 @dataclass
 class StructuredOutputsParams:
-    """Constrain the output (exactly one of the fields): a JSON schema, any JSON object, a regex, or a choice."""
+    """Constrain the output (exactly one of json, json_object, regex, choice): a JSON schema, any JSON object, a
+    regex, or a choice. ``reasoning_end``: a reasoning model's output is free until it contains this text (e.g.
+    "</think>", set by ``--reasoning-parser``); the constraint applies to the tokens after the one completing it."""
 
     json: str | dict[str, Any] | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
-        for name, kind in (("json", (str, dict)), ("regex", str), ("choice", list), ("json_object", bool)):
+        for name, kind in (("json", (str, dict)), ("regex", str), ("choice", list), ("json_object", bool),
+                           ("reasoning_end", str)):
             value = getattr(self, name)
             if value is not None and not isinstance(value, kind):
                 raise SamplingParamsError(f"structured_outputs.{name}", f"has the wrong type: {type(value).__name__}")

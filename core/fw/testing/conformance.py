@@ -12,7 +12,7 @@ plugin; pytest then runs the whole suite against it::
 Kinds: ``AttentionConformance``, ``QuantConformance`` (give a ``QuantFixture``
 per quant format: how to write a checkpoint in it, and how your method decodes it),
 ``CheckpointFormatConformance`` (a ``fixture`` writing a tiny model in your format),
-``CommConformance``, ``KVConnectorConformance``, ``SamplerConformance`` and
+``CommConformance``, ``KVConnectorConformance``, ``SamplerConformance``, ``SpecProposerConformance`` and
 ``HooksConformance`` (``plugin`` is the ``fw.hooks`` entry-point name). fw's own tests run every suite against a
 deliberately broken plugin of its kind, which must fail it.
 
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from fw import distributed, model_registry, plugins, validate
-from fw.interfaces import attention, checkpoint_format, comm, kvconnector, quant, sampler
+from fw.interfaces import attention, checkpoint_format, comm, kvconnector, quant, sampler, spec_proposer
 from fw.interfaces.sampler import SamplingBatch
 from fw.interfaces.spec import PluginSpec, canonical_kind
 from fw.sdk.sampling_params import SamplingParams
@@ -47,6 +47,7 @@ BASES: dict[str, type] = {
     "comm": comm.Communicator,
     "sampler": sampler.Sampler,
     "checkpoint_format": checkpoint_format.CheckpointFormat,
+    "spec_proposers": spec_proposer.SpecProposer,
 }
 
 
@@ -713,6 +714,96 @@ class SamplerConformance(PluginConformance):
             rows = [logits[0]] + [logits[i + 1] for i in range(len(others))]
             tokens.append(sampler_impl.sample(torch.stack(rows), self._batch([seeded, *others])).token_ids[0].item())
         assert len(set(tokens)) == 1, tokens
+
+
+class SpecProposerConformance(PluginConformance):
+    """Proposals an engine can verify (one per request, at most k tokens each, ids in the vocabulary, probabilities
+    that are distributions holding the drafts), the lifecycle calls in any order, and greedy output through an
+    engine token for token the same as without speculation. ``options`` must be complete (``model`` for a draft
+    model); override ``context`` (what the proposer is built with) and ``target`` (the engine's model) where the
+    tiny random Llama does not fit the proposer."""
+
+    kind = "spec_proposers"
+    num_speculative_tokens: ClassVar[int] = 3
+
+    def target(self, tmp_path: Path) -> Path:
+        from fw.testing.models import make_tiny_model
+
+        return make_tiny_model("LlamaForCausalLM", tmp_path / "target")
+
+    def context(self, tmp_path: Path) -> spec_proposer.ProposerContext:
+        from fw.config import FwConfig
+        from fw.model_registry import read_hf_config
+
+        hf_config = read_hf_config(str(self.target(tmp_path)))
+        return spec_proposer.ProposerContext(
+            self.num_speculative_tokens, hf_config["vocab_size"], 256, "cpu", torch.float32, hf_config, FwConfig(),
+        )
+
+    def make(self, context: spec_proposer.ProposerContext) -> spec_proposer.SpecProposer:
+        return self.spec.load()(self.spec.parse_options(self.options), context)
+
+    @staticmethod
+    def _requests(context: spec_proposer.ProposerContext, proposer) -> list[spec_proposer.ProposalRequest]:
+        """A repetitive context (lookups find it), a random one and a one-token prompt, at k from 1 to 3."""
+        gen = torch.Generator().manual_seed(0)
+        contexts = [[5, 6, 7, 8, 9] * 6, torch.randint(context.vocab_size, (40,), generator=gen).tolist(), [11]]
+        hidden = context.hf_config.get("hidden_size", 1)
+        return [
+            spec_proposer.ProposalRequest(
+                f"r{i}", tokens, max(len(tokens) - 4, 1), k,
+                torch.zeros(len(tokens) - 1, hidden) if proposer.needs_hidden_states else None,
+            )
+            for i, (tokens, k) in enumerate(zip(contexts, (3, 1, 2), strict=True))
+        ]
+
+    def test_proposals_respect_k_and_the_vocabulary(self, tmp_path: Path) -> None:
+        context = self.context(tmp_path)
+        proposer = self.make(context)
+        assert proposer.num_speculative_tokens >= 1
+        requests = self._requests(context, proposer)
+        proposals = proposer.propose(requests)
+        assert len(proposals) == len(requests), "one proposal per request, in order"
+        for request, proposal in zip(requests, proposals, strict=True):
+            tokens = list(proposal.token_ids)
+            assert len(tokens) <= request.k, f"{request.request_id}: {len(tokens)} drafts for k={request.k}"
+            assert all(isinstance(t, int) and 0 <= t < context.vocab_size for t in tokens), tokens
+            if proposal.probs is not None and tokens:
+                probs = proposal.probs
+                assert probs.dtype == torch.float32 and tuple(probs.shape) == (len(tokens), context.vocab_size)
+                torch.testing.assert_close(probs.sum(-1), torch.ones(len(tokens)), atol=1e-4, rtol=0)
+                assert bool((probs[torch.arange(len(tokens)), torch.tensor(tokens)] > 0).all()), \
+                    "a draft the proposer's own distribution gives probability 0"
+
+    def test_lifecycle_calls_in_any_order(self, tmp_path: Path) -> None:
+        context = self.context(tmp_path)
+        proposer = self.make(context)
+        requests = self._requests(context, proposer)
+        proposals = proposer.propose(requests)
+        for request, proposal in zip(requests, proposals, strict=True):
+            proposer.accepted(request.request_id, len(proposal.token_ids), 0)
+        proposer.remove_request(requests[0].request_id)
+        proposer.remove_request("never-proposed")
+        # A preempted request comes back under its id with every token it had.
+        assert len(proposer.propose(requests[:1])) == 1
+
+    def test_greedy_output_unchanged_through_an_engine(self, tmp_path: Path) -> None:
+        from fw.llm import LLM
+        from fw.sdk.sampling_params import SamplingParams
+
+        target = str(self.target(tmp_path))
+        prompts = ["a b c a b c a b c a b", "def f(x):\n    return x\n\ndef f(x):\n", "Hello"]
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        args = {"num_kv_blocks": 64, "max_model_len": 256, "device": "cpu", "dtype": "float32"}
+        outputs = []
+        for speculative in (None, {"method": self.plugin, "num_speculative_tokens": self.num_speculative_tokens,
+                                   **self.options}):
+            llm = LLM(target, speculative_config=speculative, **args)
+            try:
+                outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            finally:
+                llm.shutdown()
+        assert outputs[1] == outputs[0]
 
 
 class HooksConformance:

@@ -25,6 +25,32 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# A Hermes-style template with tools (Qwen2.5's format, written for these tests): the tools as JSON schemas in the
+# system turn, each call of an assistant turn in <tool_call> tags, tool results as <tool_response> user turns.
+TOOLS_TEMPLATE = (
+    "{% set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else '' %}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}{% if system %}{{ system + '\n\n' }}{% endif %}"
+    "{{ 'Functions you may call, as JSON schemas:\n<tools>\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ '</tools>\nTo call one, write <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.<|im_end|>\n' }}"
+    "{% elif system %}{{ '<|im_start|>system\n' + system + '<|im_end|>\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% elif not (loop.first and message['role'] == 'system') %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set arguments = call['function']['arguments'] %}"
+    "{{ '\n<tool_call>{\"name\": ' }}{{ call['function']['name'] | tojson }}{{ ', \"arguments\": ' }}"
+    "{{ arguments if arguments is string else arguments | tojson }}{{ '}</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 # Enough English, code and non-Latin text for a few hundred merges; byte-level BPE encodes anything anyway.
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.",

@@ -29,6 +29,10 @@ requests without it cost nothing here):
   output that got shorter or changed (preemption, recompute) replays from the
   initial state. EOS is allowed only in accepting states; after EOS (with
   ``ignore_eos``) only EOS stays allowed.
+* A constraint with ``reasoning_end`` (a reasoning model's "</think>") leaves the
+  output free until a token completes that text; the guide starts at the next
+  token. (A token that completes it and goes on past it puts its rest before the
+  constrained text: reasoning models' end tags are tokens of their own.)
 """
 
 from __future__ import annotations
@@ -81,12 +85,32 @@ class _Compilation:
 
 
 @dataclass(eq=False)
+class _Reasoning:
+    """The free start of a reasoning model's output: the tokens up to the one that completes ``end``."""
+
+    end: str
+    tokenizer: Tokenizer
+    tokens: list[int] = field(default_factory=list)  # the output tokens found free so far
+    ended: bool = False
+
+    def advance(self, output: list[int]) -> None:
+        """Look for the end text in each token appended since the last call: a window of as many tokens as it has
+        bytes holds every occurrence that a token completes (a token adds at least a byte)."""
+        width = len(self.end.encode())
+        while not self.ended and len(self.tokens) < len(output):
+            self.tokens.append(output[len(self.tokens)])
+            window = self.tokenizer.decode(self.tokens[-width:], skip_special_tokens=False)
+            self.ended = self.end in window
+
+
+@dataclass(eq=False)
 class _Constraint:
     compilation: _Compilation  # shared by the requests with the same constraint
     eos_token_id: int
+    reasoning: _Reasoning | None = None  # None: constrained from the first token
     guide: outlines_core.Guide | None = None
     words: int = 0
-    consumed: list[int] = field(default_factory=list)  # output tokens the guide has advanced through
+    consumed: list[int] = field(default_factory=list)  # constrained tokens the guide has advanced through
     ended: bool = False  # EOS consumed: nothing but EOS may follow
     error: str | None = None
 
@@ -124,7 +148,8 @@ class OutlinesSampler(DefaultSampler):
                 self._compiled.popitem(last=False)  # requests still compiling it hold their own
         else:
             self._compiled.move_to_end(key)
-        self._requests[request_id] = _Constraint(compilation, tokenizer.eos_token_id)
+        reasoning = _Reasoning(constraint.reasoning_end, tokenizer) if constraint.reasoning_end else None
+        self._requests[request_id] = _Constraint(compilation, tokenizer.eos_token_id, reasoning)
 
     def is_ready(self, request_id: str) -> bool:
         constraint = self._requests.get(request_id)
@@ -194,7 +219,8 @@ class OutlinesSampler(DefaultSampler):
     # --- masking ----------------------------------------------------------------
 
     def _advance(self, request_id: str, constraint: _Constraint, output: list[int]) -> None:
-        """Bring the guide to the state after ``output``, replaying from the start if the output changed."""
+        """Bring the guide to the state after ``output`` (past the reasoning, if any), replaying from the start
+        if the output changed."""
         if constraint.guide is None:
             try:
                 compiled = constraint.compilation.future.result()  # blocks only if scheduled before is_ready
@@ -202,11 +228,20 @@ class OutlinesSampler(DefaultSampler):
                 raise ValueError(f"structured output: the constraint failed to compile: {e}") from None
             constraint.guide = outlines_core.Guide(compiled.index)
             constraint.words = compiled.words
+        reasoning = constraint.reasoning
+        free = reasoning.tokens if reasoning is not None else []
         done = len(constraint.consumed)
-        if output[:done] != constraint.consumed:
+        if output[: len(free) + done] != free + constraint.consumed:
             constraint.guide.reset()
             constraint.consumed, constraint.ended, done = [], False, 0
-        for token in output[done:]:
+            if reasoning is not None:
+                reasoning.tokens, reasoning.ended = [], False
+        if reasoning is not None and not reasoning.ended:
+            reasoning.advance(output)
+            if not reasoning.ended:
+                return
+            free = reasoning.tokens
+        for token in output[len(free) + done :]:
             if token == constraint.eos_token_id:
                 constraint.ended = True
             elif not constraint.ended:
@@ -233,7 +268,8 @@ class OutlinesSampler(DefaultSampler):
                         self._advance(request_id, constraint, batch.output_token_ids[row])
                     except ValueError as e:  # its constraint failed to compile
                         failed[request_id] = e
-                rows.append((row, constraint))
+                if constraint.reasoning is None or constraint.reasoning.ended:  # a reasoning row is free
+                    rows.append((row, constraint))
             elif params.structured_outputs is not None:
                 raise RuntimeError(f"request {request_id} has structured_outputs but was never passed to add_request")
         if failed:

@@ -1,0 +1,1 @@
+"""Reasoning parsers for models that think in ``<think>...</think>`` before they answer."""

@@ -1,0 +1,1 @@
+"""The draft-model speculative-decoding proposer."""

@@ -1,0 +1,1 @@
+"""The multi-token-prediction (DeepSeek-V3 MTP) speculative-decoding proposer."""

@@ -1,0 +1,1 @@
+"""The n-gram (prompt lookup) speculative-decoding proposer."""
