@@ -43,7 +43,7 @@ def _eager(path, **kwargs):
 @pytest.mark.parametrize("dtype", ["auto", "float32"])
 def test_replayed_steps_give_the_eager_tokens(bf16_llama, dtype):
     tokens, graphs = _run(bf16_llama, dtype=dtype)
-    assert graphs.replayed == {1: 39 - 3, 3: 39 - 3}  # every decode step but the warm-up, capture and check
+    assert graphs.replayed == {(1, 1): 39 - 3, (3, 3): 39 - 3}  # every decode step but the warm-up, capture, check
     assert tokens == _eager(bf16_llama, dtype=dtype)
 
 
@@ -54,7 +54,7 @@ def test_replayed_steps_of_a_quantized_model_give_the_eager_tokens(bf16_llama, t
     monkeypatch.setenv("FW_KERNELS", "gguf.linear=fw")
     path = gguf_tests.write_gguf(bf16_llama, tmp_path / "tiny.gguf", Q.Q4_1)
     tokens, graphs = _run(path)
-    assert graphs.replayed[1] > 0 and graphs.replayed[3] > 0
+    assert graphs.replayed[1, 1] > 0 and graphs.replayed[3, 3] > 0
     assert tokens == _eager(path)
 
 
@@ -89,7 +89,7 @@ def test_a_replay_that_differs_from_the_eager_step_is_dropped(bf16_llama, monkey
         return compute_logits(self, hidden) + len(calls) * 1e-3
 
     monkeypatch.setattr(LlamaForCausalLM, "compute_logits", counts_in_python)
-    _assert_stays_eager(bf16_llama, caplog, "the replay of a 3-request step differs from the eager step")
+    _assert_stays_eager(bf16_llama, caplog, "the replay of a step of 3 requests and 3 tokens differs")
 
 
 @pytest.mark.parametrize("why", ["gathering decode kernel", "int8 cache"])
@@ -102,8 +102,18 @@ def test_a_backend_that_does_not_declare_graph_support_stays_eager(bf16_llama, m
 
 def test_an_fp8_cache_replays(bf16_llama):
     tokens, graphs = _run(bf16_llama, kv_cache_dtype="fp8")
-    assert graphs.replayed[1] > 0 and graphs.replayed[3] > 0
+    assert graphs.replayed[1, 1] > 0 and graphs.replayed[3, 3] > 0
     assert tokens == _eager(bf16_llama, kv_cache_dtype="fp8")
+
+
+def test_steps_verifying_speculative_drafts_replay_and_give_the_eager_tokens(bf16_llama):
+    """Each count of requests and tokens (a decode and its drafts) is captured; greedy output stays the eager
+    engine's without speculation."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    tokens, graphs = _run(bf16_llama, speculative_config=ngram)
+    verified = {shape: n for shape, n in graphs.replayed.items() if shape[1] > shape[0]}
+    assert verified, f"no step verifying drafts replayed: {graphs.replayed}"
+    assert tokens == _eager(bf16_llama)
 
 
 def test_a_step_the_tracer_cannot_record_runs_eagerly(bf16_llama, monkeypatch, caplog):

@@ -25,7 +25,9 @@ from fw.sdk.sampling_params import StructuredOutputsParams
 from fw.testing.models import make_tiny_model
 from fw.testing.speculation import TEXTS, assert_same, check_greedy_exact, mixed_requests, run_all
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# Drafting at every batch size: the CPU's default stops above 4 running requests.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "disable_by_batch_size": 1 << 16}
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +244,17 @@ def test_speculation_stops_above_the_batch_size_threshold(model):
     llm.generate(prompts, same, use_tqdm=False)
     assert llm.llm_engine.stats().spec_decode.num_draft_tokens == 0
     llm.generate(prompts[:1], same[:1], use_tqdm=False)
+    assert llm.llm_engine.stats().spec_decode.num_draft_tokens > 0
+
+
+def test_unset_the_cpu_stops_speculation_above_4_requests(model):
+    unset = {k: v for k, v in NGRAM.items() if k != "disable_by_batch_size"}
+    llm = LLM(model, dtype="float32", num_kv_blocks=128, speculative_config=unset)
+    prompts, _ = mixed_requests(5)
+    same = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * 5
+    llm.generate(prompts, same, use_tqdm=False)  # 5 requests running together to their ends
+    assert llm.llm_engine.stats().spec_decode.num_draft_tokens == 0
+    llm.generate(prompts[:4], same[:4], use_tqdm=False)
     assert llm.llm_engine.stats().spec_decode.num_draft_tokens > 0
 
 

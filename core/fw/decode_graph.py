@@ -1,9 +1,11 @@
-"""Captured decode steps: a small decode-only step's forward pass and logits, replayed without Python.
+"""Captured decode steps: a small decode step's forward pass and logits, replayed without Python.
 
 At a few requests a CPU decode step spends as long in Python (module calls, plugin glue, op dispatch) as in its
 kernels: half of SmolLM2-135M Q4_1's 30 ms a token on two Zen 3 cores. So the runner records such a step once per
 batch size with ``torch.jit.trace`` (the ops, with weights and KV caches as constants and the step's tensors as
-inputs) and replays that graph in torch's C++ interpreter from then on.
+inputs) and replays that graph in torch's C++ interpreter from then on. A decode step whose requests also verify
+speculative drafts (a few new tokens each, every one sampled) is captured the same way, per count of requests and
+of tokens.
 
 A graph is right only if the step's ops depend on nothing but those inputs. Three guards:
 - The model class (``decode_graphs = True``) and the attention backend (``supports_decode_graphs()``) say so:
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fw.forward_context import set_forward_context
-from fw.interfaces.attention import AttentionBatch
+from fw.interfaces.attention import GRAPH_MAX_QUERY_LEN, AttentionBatch
 
 if TYPE_CHECKING:
     from fw.model_runner import ModelRunner
@@ -38,6 +40,8 @@ logger = logging.getLogger(__name__)
 # cores, ms a step eager -> replayed: 1 request 28.1 -> 17.4, 8: 66.2 -> 50.9, 16: 114 -> 104, 32: 198 -> 189.
 # Above 8 the saving is a few percent, while a burst's shrinking batch would capture many sizes it replays rarely.
 MAX_BATCH = 8
+# Graphs kept at most: with speculative decoding a batch's token count varies with its drafts (one graph each).
+MAX_GRAPHS = 32
 
 # TracerWarnings that mean a tensor's values were read into Python, so the trace would replay one step's values
 # forever. Booleans and integers are left out: the tracer reports sizes that way too, and a graph is per size.
@@ -46,15 +50,18 @@ _DATA_DEPENDENT = r"Converting a tensor to a Python (number|float|list)"
 _SEEN, _CHECK, _READY = "seen", "check", "ready"
 
 
+Shape = tuple[int, int]  # (requests, tokens) of a step
+
+
 class DecodeGraphs:
-    """Per batch size: a first step runs eagerly (it makes the kernel choices), the second is traced, the third
-    is checked against eager; later ones replay."""
+    """Per shape (requests, tokens): a first step runs eagerly (it makes the kernel choices), the second is traced,
+    the third is checked against eager; later ones replay."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self._state: dict[int, str] = {}
-        self._graphs: dict[int, Callable[..., torch.Tensor]] = {}
-        self.replayed: dict[int, int] = {}  # steps replayed, per batch size
+        self._state: dict[Shape, str] = {}
+        self._graphs: dict[Shape, Callable[..., torch.Tensor]] = {}
+        self.replayed: dict[Shape, int] = {}  # steps replayed, per shape
         self.off: str | None = None  # why every step runs eagerly
 
     def reset(self) -> None:
@@ -64,9 +71,11 @@ class DecodeGraphs:
         self.off = None
 
     def logits(self, batch: AttentionBatch, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """The step's float32 logits, one row per request; None when the step should run eagerly."""
-        size = batch.num_reqs
-        if self.off or not batch.is_decode_only or size > MAX_BATCH:
+        """The float32 logits of a step whose every token is sampled, one row per token; None when the step should
+        run eagerly."""
+        size = (batch.num_reqs, len(input_ids))
+        if (self.off or batch.max_query_len > GRAPH_MAX_QUERY_LEN or batch.num_reqs > MAX_BATCH
+                or (size not in self._state and len(self._state) >= MAX_GRAPHS)):
             return None
         inputs = (input_ids, positions, batch.query_start_loc, batch.seq_lens, batch.block_tables, batch.slot_mapping)
         state = self._state.get(size)
@@ -84,7 +93,7 @@ class DecodeGraphs:
             return self._capture(batch, inputs)
         return self._check(batch, inputs)
 
-    def _replay(self, size: int, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _replay(self, size: Shape, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         with torch.jit.optimized_execution(False):  # the graph as recorded: no fusion to change the numbers
             return self._graphs[size](*inputs)
 
@@ -101,7 +110,7 @@ class DecodeGraphs:
         return runner.model.compute_logits(hidden)
 
     def _capture(self, batch: AttentionBatch, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
-        size = batch.num_reqs
+        size = (batch.num_reqs, len(inputs[0]))
         result: list[torch.Tensor] = []
 
         def step(*args: torch.Tensor) -> torch.Tensor:
@@ -123,14 +132,15 @@ class DecodeGraphs:
         return result[0]
 
     def _check(self, batch: AttentionBatch, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        size = batch.num_reqs
+        size = (batch.num_reqs, len(inputs[0]))
         replayed = self._replay(size, inputs)
         eager = self._run(batch, *inputs)  # writes the same KV the replay did
         if torch.equal(replayed, eager):
             self._state[size] = _READY
         else:
             diff = (replayed - eager).abs().max()
-            self._stop(f"the replay of a {size}-request step differs from the eager step by up to {diff:.3g}")
+            self._stop(f"the replay of a step of {size[0]} requests and {size[1]} tokens differs from the eager step by "
+                       f"up to {diff:.3g}")
         return eager
 
     def _stop(self, why: str, level: int = logging.WARNING) -> None:

@@ -125,7 +125,8 @@ class ModelRunner:
         parts = [self._step_tensors(inputs, part)
                  for part in micro_batches(inputs.num_new, distributed.get_pp_group().world_size)]
         keep_hidden = inputs.keep_hidden_states or bool(inputs.hidden_positions)  # a proposer's, or pooling's
-        graphable = inputs.logit_positions == list(range(len(inputs.num_new))) and not keep_hidden
+        # Steps whose every token is sampled: decodes, and decodes verifying speculative drafts.
+        graphable = inputs.logit_positions == list(range(sum(inputs.num_new))) and not keep_hidden
         if self.graphs is not None and graphable:
             logits = self.graphs.logits(*parts[0])  # the only part: graphs run without pipeline parallelism
             if logits is not None:

@@ -145,7 +145,7 @@ class LLMEngine:
         if problems:
             self.executor.shutdown()
             raise EngineError("speculative decoding: " + "; ".join(problems))
-        return SpecDecoder(config.speculative_config, proposer, vocab_size, self.max_model_len)
+        return SpecDecoder(config.speculative_config, proposer, vocab_size, self.max_model_len, torch.device(device).type)
 
     def _pooling_refusal(self) -> str | None:
         """Why this engine cannot pool (None when it can)."""

@@ -34,6 +34,11 @@ from fw.step_inputs import StepInputs
 
 log = logging.getLogger("fw")
 
+# speculative_config.disable_by_batch_size when unset, per device: above it a step of drafts costs more than it
+# saves. CPU: the default model on 2 cores (benchmarks/spec_decode.py, RESULTS.md) gained 2.1x at 1 request, 1.2x
+# at 2 and 4, and lost 12% at 8. No GPU has been measured: there speculation stays on at every batch size.
+DISABLE_BY_BATCH_SIZE = {"cpu": 4}
+
 # (p [d + 1, V], drafts [d], q [d, V] or None for deterministic drafts, generator) -> the tokens kept.
 AcceptanceRule = Callable[[torch.Tensor, list[int], torch.Tensor | None, torch.Generator | None], list[int]]
 
@@ -78,10 +83,11 @@ class SpecDecodeStats:
 class SpecDecoder:
     """The engine's speculative decoding: the proposer, what it drafted, the acceptance counters."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: SpecProposer, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: SpecProposer, vocab_size: int, max_model_len: int,
+                 device: str) -> None:
         self.proposer = proposer
         self.k = proposer.num_speculative_tokens
-        self.disable_by_batch_size = config.disable_by_batch_size
+        self.disable_by_batch_size = config.disable_by_batch_size or DISABLE_BY_BATCH_SIZE.get(device)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         # The acceptance rule, an attribute so that a test can swap in a wrong one and see its check fail.

@@ -34,6 +34,9 @@ DERIVED_FEATURES = frozenset({"fp8_kv"})
 # one for V; int8 has a scale per token and head (fw.sdk.kv_quant stores and reads them).
 KVCacheDtype = Literal["auto", "fp8", "int8"]
 KV_CACHE_DTYPES = frozenset(get_args(KVCacheDtype))
+# The most new tokens of a request in a step that decode graphs capture (supports_decode_graphs): a decode and up
+# to 7 speculative drafts.
+GRAPH_MAX_QUERY_LEN = 8
 
 
 @dataclass(frozen=True)
@@ -232,9 +235,11 @@ class AttentionBackend(ABC):
         return batch
 
     def supports_decode_graphs(self) -> bool:
-        """Whether ``prepare`` and ``forward`` of a decode-only batch, after its first step, depend on the batch's
-        tensors alone and not on its host-side values (``seq_lens_cpu``, ``max_seq_len``): then the runner may
-        record such a step once and replay it on new tensors (``fw.decode_graph``)."""
+        """Whether ``prepare`` and ``forward`` of a decode batch (each request adds at most
+        ``GRAPH_MAX_QUERY_LEN`` tokens: one, or one and the speculative drafts it verifies), after its first step,
+        depend on the batch's tensors and its counts of requests and tokens alone, not on its other host-side
+        values (``seq_lens_cpu``, ``query_start_loc_cpu``, ``max_seq_len``): then the runner may record such a step
+        once and replay it on new tensors (``fw.decode_graph``)."""
         return False
 
     @abstractmethod

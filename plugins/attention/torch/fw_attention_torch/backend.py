@@ -52,12 +52,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fw.interfaces.attention import AttentionBackend, AttentionBatch, AttentionLayerSpec
+from fw.interfaces.attention import GRAPH_MAX_QUERY_LEN, AttentionBackend, AttentionBatch, AttentionLayerSpec
 from fw.sdk import kernels, kv_quant, native
 
 _NATIVE_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 DECODE_CONTEXT = 256  # tokens of context per request that decode candidates are timed on
 PREFILL_ROWS = (16, 64, 256, 1024)  # query tokens per chunk the prefill candidates are timed on
+# A request with at most this many new tokens attends as that many decode rows (speculative decoding's k + 1):
+# below the smallest prefill the prefill candidates are timed on, and at least what decode graphs capture.
+DECODE_QUERY_ROWS = PREFILL_ROWS[0] - 1
+assert DECODE_QUERY_ROWS >= GRAPH_MAX_QUERY_LEN
 
 
 @dataclass
@@ -129,6 +133,18 @@ class TorchAttentionMetadata:
                 mask &= k_pos > q_pos - sliding_window
             self._masks[key] = (first_key, mask)
         return self._masks[key]
+
+
+def _decode_rows(batch: AttentionBatch) -> _Decodes:
+    """Every query row of the batch as a decode: query j of a request with ``seq_len`` S and Q new tokens (a decode,
+    or drafts verified at once) attends as a decode of length S - Q + j + 1, so the decode kernel reads the context
+    where it lies, where a prefill would gather it first. Computed from the batch's tensors alone: a decode graph
+    (``fw.decode_graph``) replays it on any batch of the same request and token counts."""
+    ends = batch.query_start_loc[1:]
+    rows = torch.arange(batch.slot_mapping.shape[0], dtype=ends.dtype, device=ends.device)
+    owner = torch.searchsorted(ends, rows, right=True)  # each row's request
+    seq_lens = batch.seq_lens[owner] - ends[owner] + rows + 1
+    return _Decodes(rows.long(), seq_lens, batch.block_tables[owner], batch.block_size, batch.max_seq_len)
 
 
 def _capped(scores: torch.Tensor, layer: AttentionLayerSpec) -> torch.Tensor:
@@ -255,21 +271,22 @@ class TorchAttention(AttentionBackend):
             blocks = batch.block_tables[i, : -(-length // block_size)].long()
             return (blocks[:, None] * block_size + offsets).flatten()[:length]
 
-        prefills, decode_reqs = [], []
+        prefills, short = [], []
         for i in range(batch.num_reqs):
             query_len = starts[i + 1] - starts[i]
-            if query_len == 1:
-                decode_reqs.append(i)
+            if query_len <= DECODE_QUERY_ROWS:
+                short.append(i)
             else:
                 prefills.append(
                     _Prefill(slice(starts[i], starts[i + 1]), slots(i, seq_lens[i]), seq_lens[i] - query_len)
                 )
         decodes = None
-        if decode_reqs:
-            index = torch.tensor(decode_reqs, device=device)
-            rows = batch.query_start_loc[:-1][index].long()
-            decodes = _Decodes(rows, batch.seq_lens[index], batch.block_tables[index], block_size,
-                               max(seq_lens[i] for i in decode_reqs))
+        if short:
+            decodes = _decode_rows(batch)
+            if prefills:  # the short requests' rows alone
+                index = torch.tensor([r for i in short for r in range(starts[i], starts[i + 1])], device=device)
+                decodes = _Decodes(index, decodes.seq_lens[index], decodes.block_tables[index], block_size,
+                                   max(seq_lens[i] for i in short))
         return TorchAttentionMetadata(batch, prefills, decodes)
 
     def forward(

@@ -97,43 +97,51 @@ inline void block_vectors(const uint8_t* blk, int64_t qtype, __m512& lo, __m512&
     lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(qs)));
     hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(qs, 1)));
   } else {
-    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (qtype == Q4_0 ? 2 : 4)));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(qs, mask)));
-    hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(qs, 4), mask)));
+    // The bytes widened once: a lane's low nibble is element j, its high nibble element j + 16 (one shuffle-port
+    // widening per block instead of two).
+    const uint8_t* nibbles = blk + (qtype == Q4_0 ? 2 : 4);
+    const __m512i qs = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(qs, _mm512_set1_epi32(0x0f)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(qs, 4));
   }
 }
 
-// One output row for M activation rows (M a constant, so the accumulators live in registers). Two sets of
-// accumulators, even and odd blocks, halve the dependency chains through them.
+// One output row for M activation rows (M a constant, so the accumulators live in registers). Each block is
+// dequantized in registers once (w = d q + offset, two FMAs) and then costs each row two FMAs with x from memory:
+// verifying a few speculative tokens, or a small batch, adds little per row (the xsum form of the other paths
+// spends a multiply, an FMA and a scalar FMA per row and block). Accumulators: a row's halves (elements 0-15 and
+// 16-31) apart, and for one or two rows even and odd blocks apart too, so that no FMA waits on the previous one.
 template <int64_t T, int M>
-void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
-             int64_t K) {
-  constexpr int64_t qtype = T, bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
-  __m512 acc[2][M];
-  float off[2][M];
-  for (int s = 0; s < 2; ++s)
-    for (int m = 0; m < M; ++m) acc[s][m] = _mm512_setzero_ps(), off[s][m] = 0.f;
-  auto block = [&](int64_t b, __m512* a, float* o) {
+void dot_row(const float* x, [[maybe_unused]] const float* xsum, const uint8_t* row, float* y, int64_t ldy,
+             int64_t blocks, int64_t K) {
+  constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+  constexpr int S = M <= 2 ? 2 : 1;
+  __m512 acc[S][2][M];
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < M; ++m) acc[s][0][m] = acc[s][1][m] = _mm512_setzero_ps();
+  auto block = [&](int64_t b, __m512 (*a)[M]) {
     const uint8_t* blk = row + b * bb;
-    const float d = half(blk), offset = block_offset(blk, qtype, d);
+    float d, offset;
+    block_scales<T>(blk, d, offset);
     __m512 lo, hi;
-    block_vectors(blk, qtype, lo, hi);
-    const __m512 dv = _mm512_set1_ps(d);
+    block_vectors(blk, T, lo, hi);
+    const __m512 dv = _mm512_set1_ps(d), ov = _mm512_set1_ps(offset);
+    lo = _mm512_fmadd_ps(lo, dv, ov), hi = _mm512_fmadd_ps(hi, dv, ov);
     for (int m = 0; m < M; ++m) {
       const float* xb = x + m * K + b * kBlock;
-      const __m512 dot = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(lo, _mm512_loadu_ps(xb)));
-      a[m] = _mm512_fmadd_ps(dot, dv, a[m]);
-      o[m] += offset * xsum[m * blocks + b];
+      a[0][m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), a[0][m]);
+      a[1][m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), a[1][m]);
     }
   };
   int64_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {
-    block(b, acc[0], off[0]);
-    block(b + 1, acc[1], off[1]);
+  for (; b + S <= blocks; b += S)
+    for (int s = 0; s < S; ++s) block(b + s, acc[s]);
+  for (; b < blocks; ++b) block(b, acc[0]);
+  for (int m = 0; m < M; ++m) {
+    __m512 sum = _mm512_add_ps(acc[0][0][m], acc[0][1][m]);
+    if constexpr (S == 2) sum = _mm512_add_ps(sum, _mm512_add_ps(acc[1][0][m], acc[1][1][m]));
+    y[m * ldy] = _mm512_reduce_add_ps(sum);
   }
-  if (b < blocks) block(b, acc[0], off[0]);
-  for (int m = 0; m < M; ++m) y[m * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][m], acc[1][m])) + off[0][m] + off[1][m];
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 // The integer weights of a block as floats, eight elements per vector (0-7, 8-15, 16-23, 24-31).
