@@ -325,7 +325,7 @@ def _attention_examples(op):
             if op.name == "attention.decode":
                 q, cache, metadata = backend._sample(layer, dtype, like, [37 * i % 90 for i in range(rows)], [1] * rows)
                 return q, cache, metadata.decodes
-            q, cache, metadata = backend._sample(layer, dtype, like, [rows // 2 + 3], [rows])
+            q, cache, metadata = backend._sample(layer, dtype, like, [rows // 2 + 3], [rows], prefill=True)
             first_key, mask = metadata.prefill_mask(0, layer.sliding_window)
             return q, cache, metadata.prefills[0].key_slots[first_key:], mask
 
@@ -411,12 +411,13 @@ def test_fw_kernels_forces_the_attention_kernels_of_a_model(cache, monkeypatch, 
         widened, run=lambda layer, q, *args: chunks.append(len(q)) or widened.run(layer, q, *args)))
     monkeypatch.setenv("FW_KERNELS", "attention.prefill=torch-fp32,attention.decode=torch")
     llm = LLM(path, num_kv_blocks=64)
-    (out,) = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    prompt = list(range(1, 21))  # longer than the prompts that attend as decode rows (DECODE_QUERY_ROWS)
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 3
     chosen = [c for c in llm.llm_engine.executor.runner.attention._chosen if c is not None]
     assert chosen and all(c.prefill.names == ("torch-fp32",) * len(torch_attention.PREFILL_ROWS) for c in chosen)
     assert all(c.decode.names == ("torch",) * len(torch_attention.DECODE.rows) for c in chosen)
-    assert chunks == [5] * len(chosen)  # the prompt, once per layer
+    assert chunks == [len(prompt)] * len(chosen)  # the prompt, once per layer
 
 
 @pytest.mark.skipif(not native.load("fw_dense", dense._SOURCE), reason="no C++ compiler")

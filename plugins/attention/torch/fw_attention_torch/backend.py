@@ -262,6 +262,11 @@ class TorchAttention(AttentionBackend):
         )
 
     def prepare(self, batch: AttentionBatch) -> TorchAttentionMetadata:
+        return self._prepare(batch, DECODE_QUERY_ROWS)
+
+    @staticmethod
+    def _prepare(batch: AttentionBatch, decode_query_rows: int) -> TorchAttentionMetadata:
+        """Requests of at most ``decode_query_rows`` new tokens attend as decode rows, longer ones as prefills."""
         block_size = batch.block_size
         device = batch.block_tables.device
         offsets = torch.arange(block_size, device=device)
@@ -274,7 +279,7 @@ class TorchAttention(AttentionBackend):
         prefills, short = [], []
         for i in range(batch.num_reqs):
             query_len = starts[i + 1] - starts[i]
-            if query_len <= DECODE_QUERY_ROWS:
+            if query_len <= decode_query_rows:
                 short.append(i)
             else:
                 prefills.append(
@@ -335,9 +340,10 @@ class TorchAttention(AttentionBackend):
         return chosen
 
     def _sample(self, layer: AttentionLayerSpec, dtype: torch.dtype, like: torch.Tensor, computed: list[int],
-                new: list[int]) -> tuple[torch.Tensor, torch.Tensor, TorchAttentionMetadata]:
+                new: list[int], prefill: bool = False) -> tuple[torch.Tensor, torch.Tensor, TorchAttentionMetadata]:
         """A step of requests that hold ``computed`` tokens and add ``new``, over random keys and values in a
-        cache laid out like ``like``: the queries [tokens, heads * head_size], the cache and the metadata."""
+        cache laid out like ``like``: the queries [tokens, heads * head_size], the cache and the metadata (with
+        ``prefill``, every request of several new tokens a prefill, however few)."""
         block, device = like.shape[2], like.device
         gen = torch.Generator().manual_seed(0)  # not the global one: the first step's sampling may draw from it
         counts = [-(-(c + n) // block) for c, n in zip(computed, new, strict=True)]
@@ -350,7 +356,7 @@ class TorchAttention(AttentionBackend):
             kv_quant.write(part, every_slot, entries.to(device, dtype), scale)
         batch = AttentionBatch.build(tables, computed, new, block, device)
         q = torch.randn(sum(new), layer.num_heads * layer.head_size, generator=gen).to(device, dtype)
-        return q, cache, self.prepare(batch)
+        return q, cache, self._prepare(batch, 1 if prefill else DECODE_QUERY_ROWS)
 
     def forward_mla(
         self,
