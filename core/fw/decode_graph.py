@@ -13,7 +13,9 @@ A graph is right only if the step's ops depend on nothing but those inputs. Thre
 - A tensor's values read into Python while tracing (``.item()``, ``.tolist()``) abandon the capture, as does an op
   the tracer cannot record.
 - A new graph's first replay runs beside the eager step, and the two must give the same logits, bit for bit.
-After a failure every decode step runs eagerly, with one warning (the next size would fail alike).
+After a failure every decode step runs eagerly, with one warning (the next size would fail alike), except when the
+tracer cannot record an op: kernel choice picks kernels per row count (oneDNN's prepacked weights, which a trace
+cannot hold, win at 8 rows and more on an AMX Xeon), so only that shape stays eager, and the others still replay.
 ``--enforce-eager`` turns capturing off.
 """
 
@@ -47,7 +49,7 @@ MAX_GRAPHS = 32
 # forever. Booleans and integers are left out: the tracer reports sizes that way too, and a graph is per size.
 _DATA_DEPENDENT = r"Converting a tensor to a Python (number|float|list)"
 
-_SEEN, _CHECK, _READY = "seen", "check", "ready"
+_SEEN, _CHECK, _READY, _EAGER = "seen", "check", "ready", "eager"
 
 
 Shape = tuple[int, int]  # (requests, tokens) of a step
@@ -63,11 +65,13 @@ class DecodeGraphs:
         self._graphs: dict[Shape, Callable[..., torch.Tensor]] = {}
         self.replayed: dict[Shape, int] = {}  # steps replayed, per shape
         self.off: str | None = None  # why every step runs eagerly
+        self.untraced: dict[Shape, str] = {}  # shapes whose steps the tracer could not record, and why
 
     def reset(self) -> None:
         """Forgets every graph, and why capturing stopped: the kernels changed (``fw.sdk.kernels.refresh``)."""
         self._state.clear()
         self._graphs.clear()
+        self.untraced.clear()
         self.off = None
 
     def logits(self, batch: AttentionBatch, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
@@ -84,6 +88,8 @@ class DecodeGraphs:
             return self._replay(size, inputs)
         if state is None:
             self._state[size] = _SEEN
+            return None
+        if state == _EAGER:
             return None
         if state == _SEEN:
             if not self.runner.attention.supports_decode_graphs():
@@ -122,7 +128,10 @@ class DecodeGraphs:
             try:
                 graph = torch.jit.trace(step, inputs, check_trace=False)
             except Exception as e:  # the tracer does not know every op (float8 dtype views); the eager step redoes it
-                self._stop(f"tracing the step failed ({type(e).__name__}: {str(e).splitlines()[0]})")
+                self._state[size] = _EAGER
+                self.untraced[size] = why = f"tracing the step failed ({type(e).__name__}: {str(e).splitlines()[0]})"
+                level = logging.INFO if len(self.untraced) > 1 else logging.WARNING  # one warning
+                logger.log(level, "decode steps of %d requests and %d tokens run eagerly: %s", *size, why)
                 return None
         for warning in caught:
             if warning.category is torch.jit.TracerWarning and re.match(_DATA_DEPENDENT, str(warning.message)):
