@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -67,7 +68,11 @@ def main() -> None:
     # llama-cpp-python routes llama.cpp's log here; its info level prints every graph built, several per step.
     logging.getLogger("llama-cpp-python").setLevel(logging.WARNING)
     ll.llama_backend_init()
-    model = ll.llama_model_load_from_file(str(gguf).encode(), ll.llama_model_default_params())
+    model_params = ll.llama_model_default_params()
+    # FW_LLAMACPP_EXTRA_BUFTS=0: no extra buffer types (weight repacking, the AMX buffer). On an AMX Xeon VM (session
+    # 17) llama.cpp 0.3.36 segfaults in ggml_backend_amx_mul_mat on its first product; without them it runs.
+    model_params.use_extra_bufts = os.environ.get("FW_LLAMACPP_EXTRA_BUFTS", "1") != "0"
+    model = ll.llama_model_load_from_file(str(gguf).encode(), model_params)
     vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
     sampler = ll.llama_sampler_init_greedy()  # stateless: one serves every sequence
 
