@@ -119,7 +119,9 @@ class SpecDecoder:
         for i, (request, n) in enumerate(zip(batch.requests, batch.num_new, strict=True)):
             new = sampled.get(i, [None])
             kept = n - len(request.draft_token_ids) + len(new) - 1
-            self.hidden.setdefault(request.request_id, []).append(states[offset : offset + kept])
+            # A copy: a view would keep the step's whole [tokens, hidden] alive while proposals wait (e.g. above
+            # disable_by_batch_size).
+            self.hidden.setdefault(request.request_id, []).append(states[offset : offset + kept].clone())
             offset += n
 
     def verify(

@@ -262,7 +262,8 @@ class TorchAttention(AttentionBackend):
         )
 
     def prepare(self, batch: AttentionBatch) -> TorchAttentionMetadata:
-        return self._prepare(batch, DECODE_QUERY_ROWS)
+        # Without the native kernel (CUDA) a decode row gathers its whole context: a prefill reads it once.
+        return self._prepare(batch, DECODE_QUERY_ROWS if _has_native(batch.block_tables.device.type) else 1)
 
     @staticmethod
     def _prepare(batch: AttentionBatch, decode_query_rows: int) -> TorchAttentionMetadata:
@@ -356,7 +357,7 @@ class TorchAttention(AttentionBackend):
             kv_quant.write(part, every_slot, entries.to(device, dtype), scale)
         batch = AttentionBatch.build(tables, computed, new, block, device)
         q = torch.randn(sum(new), layer.num_heads * layer.head_size, generator=gen).to(device, dtype)
-        return q, cache, self._prepare(batch, 1 if prefill else DECODE_QUERY_ROWS)
+        return q, cache, self._prepare(batch, 1) if prefill else self.prepare(batch)
 
     def forward_mla(
         self,
