@@ -512,13 +512,16 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_native_decode_kernel_matches_dequantize_then_matmul(qtype, dtype):
+# 96: 3 blocks a row; 2112: 66 (the AVX-512 kernel converts the scales of 1024 blocks at a time, 16 in each
+# conversion: rows split across both)
+@pytest.mark.parametrize("size", [96, 2112])
+def test_native_decode_kernel_matches_dequantize_then_matmul(qtype, dtype, size):
     from fw.sdk import native
 
     if not native.load("fw_quant_gguf", fw_quant_gguf.method._SOURCE):
         pytest.skip("no C++ compiler: the native kernel cannot be built here (the dequantize path serves)")
     rng = np.random.default_rng(int(qtype))
-    rows, size = 40, 96
+    rows = 40
     raw = torch.from_numpy(gguf.quants.quantize(rng.standard_normal((rows, size)).astype(np.float32), qtype).copy())
     weight = dequantize(raw, qtype).reshape(rows, size)
     for m in (1, 3, 8, 21):  # 21: three groups of register rows

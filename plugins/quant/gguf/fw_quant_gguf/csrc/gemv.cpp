@@ -67,6 +67,14 @@ inline void block_scales(const uint8_t* blk, float& d, float& offset) {
   d = half(blk), offset = block_offset(blk, T, d);
 }
 
+// What a row's float product reads besides x and the row: each x block's sum (the AVX2 and scalar kernels' offset
+// terms), or the row's block scales as floats (the AVX-512 kernel's, converted for many rows at once).
+struct RowAux {
+  const float* xsum;
+  const float* d;
+  const float* m;
+};
+
 #if defined(__AVX2__) && defined(__FMA__)
 // A row's products for M activation rows: block(b, acc, off) adds block b into one set of accumulators (vector
 // and scalar offset terms); sets alternate between even and odd blocks up to 4 rows, where 16 registers hold two
@@ -90,43 +98,65 @@ inline void sum_blocks(int64_t blocks, float* y, int64_t ldy, const Block& block
 #endif
 
 #if defined(__AVX512F__)
-// The integer weights of a block as floats: elements 0-15 and 16-31.
-inline void block_vectors(const uint8_t* blk, int64_t qtype, __m512& lo, __m512& hi) {
-  if (qtype == Q8_0) {
+constexpr int64_t kRun = 16;  // blocks whose scales convert together
+
+// The scales d (and Q4_1's m) of n consecutive blocks (a span's rows follow each other, so the blocks of several
+// rows have one stride) as floats: a gather and one conversion per 16 blocks, rather than a conversion and two
+// broadcasts per block (the shuffle port is what a 1-row product waits on). The block loop then broadcasts them
+// straight from memory, which costs no shuffle. d and m hold n rounded up to a multiple of kRun.
+template <int64_t T>
+void span_scales(const uint8_t* blk, int64_t n, float* d, float* m) {
+  constexpr int bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+  const __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(bb));
+  for (int64_t i = 0; i < n; i += kRun, blk += kRun * bb) {
+    const __mmask16 live = n - i >= kRun ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+    const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, index, blk, 1);
+    _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
+    if constexpr (T == Q4_1) _mm512_storeu_ps(m + i, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));
+  }
+}
+
+// A block's 32 weights (w = d q + offset) as floats: elements 0-15 and 16-31. A 4-bit block's 16 possible
+// weights are computed once (one FMA over 0..15) and looked up by nibble (a permutation reads only the low 4 bits
+// of each lane's index, so the low nibbles need no mask): two permutations instead of a mask, two conversions and
+// two FMAs. Each weight is the same single rounding of d q + offset as decoding it (Q4_0's offset -8 d is exact,
+// so (q - 8) d is that rounding too).
+template <int64_t T>
+inline void block_weights(const uint8_t* blk, const float* d, const float* m, __m512& lo, __m512& hi) {
+  if constexpr (T == Q8_0) {  // its scale read here: Q8_0 waits on the conversions, not on the shuffles
+    const __m512 dv = _mm512_set1_ps(half(blk));
     const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(qs)));
-    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(qs, 1)));
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(qs))), dv);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(qs, 1))), dv);
   } else {
-    // The bytes widened once: a lane's low nibble is element j, its high nibble element j + 16 (one shuffle-port
-    // widening per block instead of two).
-    const uint8_t* nibbles = blk + (qtype == Q4_0 ? 2 : 4);
-    const __m512i qs = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles)));
-    lo = _mm512_cvtepi32_ps(_mm512_and_si512(qs, _mm512_set1_epi32(0x0f)));
-    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(qs, 4));
+    const __m512 dv = _mm512_set1_ps(*d);
+    const __m512 table = T == Q4_1
+        ? _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), dv, _mm512_set1_ps(*m))
+        : _mm512_mul_ps(_mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), dv);
+    // The bytes widened once: a lane's low nibble is element j, its high nibble element j + 16.
+    const __m512i qs = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (T == Q4_0 ? 2 : 4))));
+    lo = _mm512_permutexvar_ps(qs, table);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(qs, 4), table);
   }
 }
 
 // One output row for M activation rows (M a constant, so the accumulators live in registers). Each block is
-// dequantized in registers once (w = d q + offset, two FMAs) and then costs each row two FMAs with x from memory:
-// verifying a few speculative tokens, or a small batch, adds little per row (the xsum form of the other paths
-// spends a multiply, an FMA and a scalar FMA per row and block). Accumulators: a row's halves (elements 0-15 and
-// 16-31) apart, and for one or two rows even and odd blocks apart too, so that no FMA waits on the previous one.
+// dequantized in registers once and then costs each row two FMAs with x from memory: verifying a few speculative
+// tokens, or a small batch, adds little per row (the xsum form of the other paths spends a multiply, an FMA and a
+// scalar FMA per row and block). Accumulators: a row's halves (elements 0-15 and 16-31) apart, and for one or two
+// rows even and odd blocks apart too, so that no FMA waits on the previous one.
 template <int64_t T, int M>
-void dot_row(const float* x, [[maybe_unused]] const float* xsum, const uint8_t* row, float* y, int64_t ldy,
-             int64_t blocks, int64_t K) {
+void dot_row(const float* x, const RowAux& aux, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
+             int64_t K) {
   constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
   constexpr int S = M <= 2 ? 2 : 1;
   __m512 acc[S][2][M];
   for (int s = 0; s < S; ++s)
     for (int m = 0; m < M; ++m) acc[s][0][m] = acc[s][1][m] = _mm512_setzero_ps();
   auto block = [&](int64_t b, __m512 (*a)[M]) {
-    const uint8_t* blk = row + b * bb;
-    float d, offset;
-    block_scales<T>(blk, d, offset);
     __m512 lo, hi;
-    block_vectors(blk, T, lo, hi);
-    const __m512 dv = _mm512_set1_ps(d), ov = _mm512_set1_ps(offset);
-    lo = _mm512_fmadd_ps(lo, dv, ov), hi = _mm512_fmadd_ps(hi, dv, ov);
+    block_weights<T>(row + b * bb, aux.d + b, aux.m + b, lo, hi);
     for (int m = 0; m < M; ++m) {
       const float* xb = x + m * K + b * kBlock;
       a[0][m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), a[0][m]);
@@ -167,7 +197,7 @@ inline void block_vectors(const uint8_t* blk, __m256 v[4]) {
 
 // As the AVX-512 version, with the accumulators of sum_blocks.
 template <int64_t T, int M>
-void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
+void dot_row(const float* x, const RowAux& aux, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
              int64_t K) {
   constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
   sum_blocks<M>(blocks, y, ldy, [&](int64_t b, __m256* a, float* o) {
@@ -184,13 +214,13 @@ void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, in
       dot = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), dot);
       dot = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), dot);
       a[m] = _mm256_fmadd_ps(dot, dv, a[m]);
-      if constexpr (T != Q8_0) o[m] += offset * xsum[m * blocks + b];
+      if constexpr (T != Q8_0) o[m] += offset * aux.xsum[m * blocks + b];
     }
   });
 }
 #else
 template <int64_t T, int M>
-void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
+void dot_row(const float* x, const RowAux& aux, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
              int64_t K) {
   constexpr int64_t qtype = T, bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
   float acc[M] = {0.f};
@@ -203,7 +233,7 @@ void dot_row(const float* x, const float* xsum, const uint8_t* row, float* y, in
       const float* xb = x + m * K + b * kBlock;
       float dot = 0.f;
       for (int j = 0; j < 32; ++j) dot += q[j] * xb[j];
-      acc[m] += d * dot + offset * xsum[m * blocks + b];
+      acc[m] += d * dot + offset * aux.xsum[m * blocks + b];
     }
   }
   for (int m = 0; m < M; ++m) y[m * ldy] = acc[m];
@@ -389,7 +419,7 @@ void for_each_span(const uint8_t* w, at::IntArrayRef shards, int64_t K, int64_t 
   });
 }
 
-using RowFn = void (*)(const float*, const float*, const uint8_t*, float*, int64_t, int64_t, int64_t);
+using RowFn = void (*)(const float*, const RowAux&, const uint8_t*, float*, int64_t, int64_t, int64_t);
 
 template <int64_t T, size_t... I>
 constexpr std::array<RowFn, kMaxRows> float_kernels(std::index_sequence<I...>) {  // for 1 .. kMaxRows rows
@@ -403,28 +433,56 @@ constexpr std::array<RowFn, kMaxRows> float_kernels(std::index_sequence<I...>) {
 at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef shards) {
   const int64_t total = check_shards(x, weight, shards), M = x.size(0), K = x.size(1), blocks = K / kBlock;
   auto xf = x.to(at::kFloat).contiguous();
-  // Each block's sum of x (for the offsets), here rather than as torch ops: a decode step makes hundreds of
-  // these calls, and each op's dispatch cost more than its arithmetic.
-  std::vector<float> xsum(M * blocks);
   const float* xp = xf.data_ptr<float>();
-  for (int64_t b = 0; b < M * blocks; ++b) {
-    float s = 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) s += xp[b * kBlock + j];
-    xsum[b] = s;
-  }
   auto y = at::empty({M, total}, xf.options());
   static constexpr auto kQ4_0 = float_kernels<Q4_0>(std::make_index_sequence<kMaxRows>());
   static constexpr auto kQ4_1 = float_kernels<Q4_1>(std::make_index_sequence<kMaxRows>());
   static constexpr auto kQ8_0 = float_kernels<Q8_0>(std::make_index_sequence<kMaxRows>());
   float* yp = y.data_ptr<float>();
+  // rows(fns, first row, count, aux of the first row): the products of `count` rows from `first`.
+  auto products = [&](const std::array<RowFn, kMaxRows>& fns, const uint8_t* first, int64_t bytes, int64_t c,
+                      int64_t count, const auto& aux) {
+    for (int64_t m = 0; m < M; m += kMaxRows)
+      for (int64_t n = 0; n < count; ++n)
+        fns[std::min(kMaxRows, M - m) - 1](xp + m * K, aux(m, n), first + n * bytes, yp + m * total + c + n, total,
+                                           blocks, K);
+  };
+#if defined(__AVX512F__)
+  // The scales of up to kScaleBlocks blocks (a few rows) at a time.
+  constexpr int64_t kScaleBlocks = 1024;
+  const int64_t group = std::max<int64_t>(1, kScaleBlocks / blocks);
   for_each_span(weight.data_ptr<uint8_t>(), shards, K, total,
                 [&](int64_t qtype, const uint8_t* rows, int64_t bytes, int64_t c, int64_t count) {
-                  const auto& fns = qtype == Q4_0 ? kQ4_0 : qtype == Q4_1 ? kQ4_1 : kQ8_0;
-                  for (int64_t m = 0; m < M; m += kMaxRows)
-                    for (int64_t n = 0; n < count; ++n)
-                      fns[std::min(kMaxRows, M - m) - 1](xp + m * K, xsum.data() + m * blocks, rows + n * bytes,
-                                                         yp + m * total + c + n, total, blocks, K);
+                  if (qtype == Q8_0)
+                    return products(kQ8_0, rows, bytes, c, count,
+                                    [](int64_t, int64_t) { return RowAux{nullptr, nullptr, nullptr}; });
+                  const auto& fns = qtype == Q4_0 ? kQ4_0 : kQ4_1;
+                  const auto scales = qtype == Q4_0 ? span_scales<Q4_0> : span_scales<Q4_1>;
+                  const int64_t padded = (std::min(group, count) * blocks + kRun - 1) / kRun * kRun;
+                  std::vector<float> d(padded), o(padded);
+                  for (int64_t n0 = 0; n0 < count; n0 += group) {
+                    const int64_t g = std::min(group, count - n0);
+                    scales(rows + n0 * bytes, g * blocks, d.data(), o.data());
+                    products(fns, rows + n0 * bytes, bytes, c + n0, g, [&](int64_t, int64_t n) {
+                      return RowAux{nullptr, d.data() + n * blocks, o.data() + n * blocks};
+                    });
+                  }
                 });
+#else
+  // Each block's sum of x (for the offsets), here rather than as torch ops: a decode step makes hundreds of
+  // these calls, and each op's dispatch cost more than its arithmetic.
+  std::vector<float> xsum(M * blocks);
+  for (int64_t b = 0; b < M * blocks; ++b) {
+    float s = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) s += xp[b * kBlock + j];
+    xsum[b] = s;
+  }
+  for_each_span(weight.data_ptr<uint8_t>(), shards, K, total,
+                [&](int64_t qtype, const uint8_t* rows, int64_t bytes, int64_t c, int64_t count) {
+                  products(qtype == Q4_0 ? kQ4_0 : qtype == Q4_1 ? kQ4_1 : kQ8_0, rows, bytes, c, count,
+                           [&](int64_t m, int64_t) { return RowAux{xsum.data() + m * blocks, nullptr, nullptr}; });
+                });
+#endif
   return y.to(x.scalar_type());
 }
 
