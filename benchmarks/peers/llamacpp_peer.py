@@ -1,6 +1,7 @@
 """llama.cpp (llama-cpp-python's C API) on fw bench's workload; prints one JSON line.
 
     python benchmarks/peers/llamacpp_peer.py --model DIR     # converts DIR to a bf16 GGUF once, then runs it
+    python benchmarks/peers/llamacpp_peer.py --model DIR --outtype q8_0   # ... or to Q8_0 (fw's 8-bit paths)
     python benchmarks/peers/llamacpp_peer.py --gguf FILE     # runs an existing GGUF (e.g. a Q4_1 one)
 
 The high-level `Llama` class decodes one sequence at a time, so the 32-request part drives llama_batch
@@ -38,16 +39,17 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def convert(model: Path) -> Path:
-    """bf16 GGUF of a safetensors checkpoint, by the converter vendored in the llama-cpp-python sdist."""
-    out = common.PEERS_DIR / "gguf" / f"{model.resolve().name}-bf16.gguf"
+def convert(model: Path, outtype: str = "bf16") -> Path:
+    """A GGUF of a safetensors checkpoint (bf16, or the converter's q8_0), by the converter vendored in the
+    llama-cpp-python sdist."""
+    out = common.PEERS_DIR / "gguf" / f"{model.resolve().name}-{outtype}.gguf"
     newest = max(f.stat().st_mtime for f in model.iterdir())
     if out.exists() and out.stat().st_mtime > newest:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     (vendor,) = (common.PEERS_DIR / "llamacpp" / "src").glob("llama_cpp_python-*/vendor/llama.cpp")
     tmp = out.with_suffix(".part")  # an interrupted conversion must not pass for a finished one
-    cmd = [sys.executable, "-c", CONVERT, str(vendor), str(model), "--outtype", "bf16", "--outfile", str(tmp)]
+    cmd = [sys.executable, "-c", CONVERT, str(vendor), str(model), "--outtype", outtype, "--outfile", str(tmp)]
     subprocess.run(cmd, check=True, stdout=sys.stderr)
     tmp.rename(out)
     return out
@@ -56,13 +58,15 @@ def convert(model: Path) -> Path:
 def main() -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--gguf", help="An existing GGUF file to run instead of converting --model.")
+    p.add_argument("--outtype", default="bf16", choices=("bf16", "q8_0"),
+                   help="What --model converts to: bf16 (the peer comparison), or q8_0 (against fw's 8-bit paths).")
     args = p.parse_args()
     if not (args.model or args.gguf):
         p.error("give --model DIR or --gguf FILE")
     common.enter_venv("llamacpp")
     import llama_cpp as ll
 
-    gguf = Path(args.gguf) if args.gguf else convert(Path(args.model))
+    gguf = Path(args.gguf) if args.gguf else convert(Path(args.model), args.outtype)
     args.model = str(gguf)
 
     # llama-cpp-python routes llama.cpp's log here; its info level prints every graph built, several per step.

@@ -5,13 +5,16 @@
   (``fw`` widens each int8 in registers) with its ``torch`` / ``torch-fp32`` candidates.
 - W8A8 (the checkpoint's ``input_activations``, or ``quant.activations=dynamic``): operation ``int8.linear.a8``.
   ``fw`` (``csrc/w8a8.cpp``, CPU) rounds each activation row to int8 as compressed-tensors does and multiplies in
-  integers; the other candidates are the weight-only ones on activations rounded by the reference formula
+  integers, widening the bytes to int16 pairs; ``fw-vnni`` (the same file, where the CPU has AVX-512 VNNI)
+  multiplies the bytes themselves, with each weight row's sum kept beside the weight (its layout); the two give
+  equal outputs. The other candidates are the weight-only ones on activations rounded by the reference formula
   (through int8 and back), which every other device runs. Activation scales per group of input features, and block
   weight scales, round first and go through ``int8.linear``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,10 +33,35 @@ def _native(w: W8A8Rows, x: torch.Tensor, bias: torch.Tensor | None = None) -> t
     return out if bias is None else out + bias
 
 
+@dataclass(frozen=True)
+class _SummedRows:
+    """W8A8 rows and each weight row's sum (int32): VNNI multiplies unsigned activation bytes (q + 128) by the
+    signed weights, and 128 times a row's sum comes off its dot product."""
+
+    rows: W8A8Rows
+    sums: torch.Tensor
+
+
+def _vnni(state: _SummedRows, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    w = state.rows
+    rows = x.numel() // x.shape[-1]
+    out = torch.ops.fw_quant_int8.w8a8_gemv_vnni(x.reshape(rows, x.shape[-1]), w.weight, w.scale, w.input_scale,
+                                                 state.sums)
+    out = out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def _native_supports(key: tuple) -> bool:
+    return key[4] == "cpu" and key[3] in ("float32", "bfloat16") and native.load("fw_quant_int8", _SOURCE)
+
+
 WEIGHT_ONLY = widening_product("int8.linear", "int8_gemv")
-W8A8 = w8a8_product("int8.linear.a8", WEIGHT_ONLY, INT8, (kernels.Candidate(
-    "fw", _native, supports=lambda key: key[4] == "cpu" and key[3] in ("float32", "bfloat16")
-    and native.load("fw_quant_int8", _SOURCE)),))
+W8A8 = w8a8_product("int8.linear.a8", WEIGHT_ONLY, INT8, (
+    kernels.Candidate("fw", _native, supports=_native_supports),
+    kernels.Candidate("fw-vnni", _vnni, prepare=lambda w: _SummedRows(w, w.weight.sum(1, dtype=torch.int32)),
+                      layout="row-sums", supports=lambda key: _native_supports(key)
+                      and torch.ops.fw_quant_int8.has_vnni() and key[1] < 65536),
+))
 
 
 class Int8Method(Fp8Method):

@@ -5,6 +5,7 @@ own forward), and the W8A8 kernel's integer rounding against compressed-tensors'
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -95,28 +96,69 @@ def test_w8a8_layers_run_integer_products_and_w8a16_widening_ones(ct_checkpoint)
         assert ops == {"int8.linear.a8" if w8a8 else "int8.linear"}, names
 
 
+def _native_candidate(name: str, width: int, dtype: torch.dtype):
+    candidate = method.W8A8.candidates[name]
+    if not candidate.supports((1, width, None, str(dtype).removeprefix("torch."), "cpu")):
+        pytest.skip("no C++ compiler for the native kernels" if name == "fw" else "this CPU has no AVX-512 VNNI")
+    return candidate
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_w8a8_rounds_activations_exactly_as_the_formula(dtype):
+@pytest.mark.parametrize("name", ["fw", "fw-vnni"])
+@pytest.mark.parametrize("width", [96, 101])  # 101: the vector loops' scalar and masked tails
+def test_native_w8a8_rounds_activations_exactly_as_the_formula(dtype, name, width):
     """With an identity weight the product is the quantized activation itself: every integer the kernel rounded
     to, ties, clamps at -128 and the dtype's own division included, equals compressed-tensors' formula."""
-    op = method.W8A8
-    candidate = op.candidates["fw"]
-    width = 96
-    if not candidate.supports((1, width, None, str(dtype).removeprefix("torch."), "cpu")):
-        pytest.skip("no C++ compiler for the native kernels")
+    candidate = _native_candidate(name, width, dtype)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, width, generator=gen)
     x[1, :8] = torch.tensor([-1.0, 1.0, 0.5, -0.5, 1.5 / 127.5, 2.5 / 127.5, -3.5 / 127.5, 0.0])  # ties
+    x[1, -3:] = torch.tensor([-2.5 / 127.5, 0.5 / 127.5, 4.5 / 127.5])  # ties in the tail
     x[2] = 0.0  # a zero row: the scale becomes the dtype's eps
     x = x.to(dtype)
     identity = method.W8A8Rows(torch.eye(width, dtype=torch.int8), torch.ones(width, 1), None)
     expected = quantize_input(x, None, None, INT8)
-    assert torch.equal(candidate.run(identity, x), expected)
+    assert torch.equal(candidate.run(candidate.prepare(identity), x), expected)
     static = method.W8A8Rows(identity.weight, identity.scale, None, torch.tensor(0.004))
-    assert torch.equal(candidate.run(static, x), quantize_input(x, torch.tensor(0.004), None, INT8))
+    assert torch.equal(candidate.run(candidate.prepare(static), x), quantize_input(x, torch.tensor(0.004), None, INT8))
     # A control: rounding half away from zero instead of to even gives other integers.
     assert not torch.equal(torch.round(x.float() / (x.float().abs().amax(-1, keepdim=True) / 127.5)),
                            ((x.float() / (x.float().abs().amax(-1, keepdim=True) / 127.5)) + 0.5).floor())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["fw", "fw-vnni"])
+def test_native_w8a8_products_are_the_exact_integer_dots(dtype, name):
+    """Every output is sum(q w) in integers times the two scales, rounded once: weights at -128 and 127, rows of
+    1 to 9 activations (register groups), widths with a tail; both native kernels give these same floats."""
+    for width in (64, 200, 4864):
+        candidate = _native_candidate(name, width, dtype)
+        gen = torch.Generator().manual_seed(width)
+        weight = torch.randint(-128, 128, (40, width), dtype=torch.int8, generator=gen)
+        weight[0, :4] = torch.tensor([-128, -128, 127, 127], dtype=torch.int8)
+        scale = torch.rand(40, 1, generator=gen) / 100
+        for input_scale in (None, torch.tensor(0.02)):
+            rows = method.W8A8Rows(weight, scale, None, input_scale)
+            state = candidate.prepare(rows)
+            for m in (1, 3, 8, 9):
+                x = (torch.randn(m, width, generator=gen) * 3).to(dtype)
+                x_scale = (INT8.scale(x.abs().amax(-1, keepdim=True)) if input_scale is None
+                           else input_scale.to(dtype).reshape(1, 1).expand(m, 1))
+                dot = INT8.round(x / x_scale).to(torch.int64) @ weight.to(torch.int64).T
+                expected = (dot.float() * x_scale.float() * scale.reshape(1, -1)).to(dtype)
+                assert torch.equal(candidate.run(state, x), expected), (width, m, input_scale)
+
+
+def test_the_vnni_candidate_runs_where_the_cpu_has_vnni():
+    """Kernel choice times ``fw-vnni`` exactly where the CPU has AVX-512 VNNI (a wrong ``supports`` would crash or
+    leave the faster product out)."""
+    fw = method.W8A8.candidates["fw"]
+    key = (64, 896, None, "bfloat16", "cpu")
+    if not fw.supports(key):
+        pytest.skip("no C++ compiler for the native kernels")
+    flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
+    assert method.W8A8.candidates["fw-vnni"].supports(key) == ({"avx512_vnni", "avx512bw"} <= flags)
+    assert not method.W8A8.candidates["fw-vnni"].supports((64, 896, None, "float16", "cpu"))
 
 
 # --- online quantization of plain checkpoints -----------------------------------------------------------------

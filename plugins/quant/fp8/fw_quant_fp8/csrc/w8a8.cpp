@@ -2,11 +2,15 @@
 // reference does in the activation's dtype (scale = absmax / 127.5, q = round(clamp(x / scale, -128, 127))), and
 // multiplied with the int8 weight rows in integers. The int32 dot product is exact, so only the final
 // `dot * x_scale * w_scale` rounds; the weights stream by once at one byte each.
+// Two products: w8a8_gemv widens the bytes to int16 pairs (AVX2's vpmaddwd, 16 products an instruction), and
+// w8a8_gemv_vnni, built where the CPU has AVX-512 VNNI, multiplies bytes (vpdpbusd, 64 an instruction). The same
+// integer dots and the same final rounding: their outputs are equal bit for bit. Kernel choice times both.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cfloat>
 #include <cmath>
 #include <vector>
@@ -21,27 +25,51 @@ constexpr int64_t kLanes = 16;  // int16 products per step
 // A value of the activation dtype after an operation computed in float32 (bf16: rounded to nearest even).
 inline float as_dtype(float v, bool bf16) { return bf16 ? fw::f32(fw::round_bf16(v)) : v; }
 
-// One activation row as int16 (zero-padded to `padded`), and its scale.
-float quantize_row(const float* x, int64_t K, bool bf16, const float* static_scale, int16_t* q) {
+// One activation row as integers q + kBias (int16 q for the widening product, unsigned bytes q + 128 for VNNI's
+// unsigned-times-signed products), and its scale.
+template <typename Q, int kBias>
+float quantize_row(const float* x, int64_t K, bool bf16, const float* static_scale, Q* q) {
   float scale;
   if (static_scale) {
     scale = as_dtype(*static_scale, bf16);
   } else {
     float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    __m512 vmax = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    amax = _mm512_reduce_max_ps(vmax);
+#endif
+    for (; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
     scale = as_dtype(amax / 127.5f, bf16);
     if (scale == 0.f) scale = bf16 ? 0.0078125f : FLT_EPSILON;  // the dtype's eps, as the reference
   }
-  for (int64_t k = 0; k < K; ++k) {
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  // The same operations 16 at a time (a division, the bf16 rounding, the clamp, rounding half to even): a 1-row
+  // product of a small layer otherwise spends a third of its time here.
+  const __m512 div = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-128.f), hi = _mm512_set1_ps(127.f);
+  for (; k + 16 <= K; k += 16) {
+    __m512 v = _mm512_div_ps(_mm512_loadu_ps(x + k), div);
+    if (bf16) v = fw::round_bf16x16(v);
+    const __m512i i = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi)),
+                                       _mm512_set1_epi32(kBias));
+    if constexpr (sizeof(Q) == 1)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(i));
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm512_cvtepi32_epi16(i));
+  }
+#endif
+  for (; k < K; ++k) {
     const float v = std::min(std::max(as_dtype(x[k] / scale, bf16), -128.f), 127.f);
-    q[k] = static_cast<int16_t>(std::nearbyint(v));  // the default rounding mode: half to even, as torch.round
+    q[k] = static_cast<Q>(std::nearbyint(v) + kBias);  // the default rounding mode: half to even, as torch.round
   }
   return scale;
 }
 
 // Dot products of M activation rows (int16, padded with zeros to a multiple of kLanes) with one int8 weight row.
 template <int M>
-void dot_row(const int16_t* q, int64_t ldq, const int8_t* w, int64_t K, int32_t* out) {
+void dot_row(const int16_t* q, int64_t ldq, const int8_t* w, int64_t K, int32_t /*row_sum*/, int32_t* out) {
   int64_t k = 0;
 #if defined(__AVX2__)
   __m256i acc[M];
@@ -66,10 +94,36 @@ void dot_row(const int16_t* q, int64_t ldq, const int8_t* w, int64_t K, int32_t*
     for (int m = 0; m < M; ++m) out[m] += int32_t(w[k]) * q[m * ldq + k];
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// As dot_row with VNNI: M rows of unsigned bytes q + 128 (ldq apart) times one int8 weight row, 64 products a
+// step; row_sum (the weight row's sum) times 128 comes off at the end: sum (q + 128) w - 128 sum w = sum q w.
+// A row's tail is a masked load (zeros).
+template <int M>
+void dot_row_vnni(const uint8_t* q, int64_t ldq, const int8_t* w, int64_t K, int32_t row_sum, int32_t* out) {
+  __m512i acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    const __m512i wv = _mm512_loadu_si512(w + k);
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_loadu_si512(q + m * ldq + k), wv);
+  }
+  if (k < K) {
+    const __mmask64 live = (__mmask64(1) << (K - k)) - 1;
+    const __m512i wv = _mm512_maskz_loadu_epi8(live, w + k);
+    for (int m = 0; m < M; ++m)
+      acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_maskz_loadu_epi8(live, q + m * ldq + k), wv);
+  }
+  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_epi32(acc[m]) - 128 * row_sum;
+}
+#endif
+
 // x [M, K] float32 or bfloat16; weight int8 [N, K]; scale float32 [N, 1]; input_scale: a static activation scale
-// (float32, one element), else per-row dynamic scales. Returns float32 [M, N].
-at::Tensor w8a8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                     const c10::optional<at::Tensor>& input_scale) {
+// (float32, one element), else per-row dynamic scales; row_sums (VNNI): int32 [N], each weight row's sum. Each
+// group of up to kRows activation rows runs Dot on every weight row. Returns float32 [M, N].
+template <typename Q, int kBias, int64_t kRows, typename Dot>
+at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                   const c10::optional<at::Tensor>& input_scale, const int32_t* row_sums, int64_t ldq,
+                   const std::array<Dot, kRows>& dots) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1), "x [M, K] and weight [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(), "weight must be contiguous int8");
@@ -80,24 +134,21 @@ at::Tensor w8a8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
   const auto sc = scale.contiguous();
   float static_scale = 0.f;
   if (input_scale.has_value()) static_scale = input_scale->to(at::kFloat).item<float>();
-  const int64_t ldq = (K + kLanes - 1) / kLanes * kLanes;
-  std::vector<int16_t> q(M * ldq, 0);
+  std::vector<Q> q(M * ldq, Q(kBias));
   std::vector<float> row_scale(M);
   for (int64_t m = 0; m < M; ++m)
-    row_scale[m] = quantize_row(xf.data_ptr<float>() + m * K, K, bf16,
-                                input_scale.has_value() ? &static_scale : nullptr, q.data() + m * ldq);
+    row_scale[m] = quantize_row<Q, kBias>(xf.data_ptr<float>() + m * K, K, bf16,
+                                          input_scale.has_value() ? &static_scale : nullptr, q.data() + m * ldq);
   auto y = at::empty({M, N}, xf.options());
-  using RowFn = void (*)(const int16_t*, int64_t, const int8_t*, int64_t, int32_t*);
-  static constexpr RowFn kRows[kMaxRows] = {dot_row<1>, dot_row<2>, dot_row<3>, dot_row<4>};
   const int8_t* wp = weight.data_ptr<int8_t>();
   const float* sp = sc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t m = 0; m < M; m += kMaxRows) {  // rows in groups that fit the register accumulators
-    const int64_t rows = std::min(kMaxRows, M - m);
+  for (int64_t m = 0; m < M; m += kRows) {  // rows in groups that fit the register accumulators
+    const int64_t rows = std::min(kRows, M - m);
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-      int32_t dot[kMaxRows];
+      int32_t dot[kRows];
       for (int64_t n = begin; n < end; ++n) {
-        kRows[rows - 1](q.data() + m * ldq, ldq, wp + n * K, K, dot);
+        dots[rows - 1](q.data() + m * ldq, ldq, wp + n * K, K, row_sums ? row_sums[n] : 0, dot);
         for (int64_t r = 0; r < rows; ++r) yp[(m + r) * N + n] = float(dot[r]) * row_scale[m + r] * sp[n];
       }
     });
@@ -105,9 +156,46 @@ at::Tensor w8a8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
   return y;
 }
 
+using RowFn = void (*)(const int16_t*, int64_t, const int8_t*, int64_t, int32_t, int32_t*);
+
+at::Tensor w8a8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& input_scale) {
+  static constexpr std::array<RowFn, kMaxRows> kDots = {dot_row<1>, dot_row<2>, dot_row<3>, dot_row<4>};
+  const int64_t K = x.size(-1);
+  return product<int16_t, 0, kMaxRows>(x, weight, scale, input_scale, nullptr, (K + kLanes - 1) / kLanes * kLanes,
+                                       kDots);
+}
+
+bool has_vnni() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor w8a8_gemv_vnni(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                          const c10::optional<at::Tensor>& input_scale, const at::Tensor& row_sums) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  TORCH_CHECK(row_sums.scalar_type() == at::kInt && row_sums.is_contiguous() && row_sums.numel() == weight.size(0),
+              "row_sums must be contiguous int32 [N]");
+  // 255 * 128 * K bounds the int32 sums
+  TORCH_CHECK(x.dim() == 2 && x.size(1) < 65536, "VNNI products take rows of under 65536 features");
+  using VnniFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, int32_t, int32_t*);
+  static constexpr std::array<VnniFn, 8> kDots = {dot_row_vnni<1>, dot_row_vnni<2>, dot_row_vnni<3>, dot_row_vnni<4>,
+                                                  dot_row_vnni<5>, dot_row_vnni<6>, dot_row_vnni<7>, dot_row_vnni<8>};
+  return product<uint8_t, 128, 8>(x, weight, scale, input_scale, row_sums.data_ptr<int32_t>(), x.size(1), kDots);
+#else
+  TORCH_CHECK(false, "w8a8_gemv_vnni: built without AVX-512 VNNI (has_vnni() is false)");
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fw_quant_int8, m) {
   m.def("w8a8_gemv(Tensor x, Tensor weight, Tensor scale, Tensor? input_scale) -> Tensor");
   m.impl("w8a8_gemv", c10::DispatchKey::CPU, TORCH_FN(w8a8_gemv));
+  m.def("w8a8_gemv_vnni(Tensor x, Tensor weight, Tensor scale, Tensor? input_scale, Tensor row_sums) -> Tensor");
+  m.impl("w8a8_gemv_vnni", c10::DispatchKey::CPU, TORCH_FN(w8a8_gemv_vnni));
+  m.def("has_vnni() -> bool", TORCH_FN(has_vnni));
 }
