@@ -165,7 +165,19 @@ def _has_fp8_matmul(key: tuple) -> bool:
             and torch.cuda.get_device_capability() >= (8, 9))
 
 
+def _native_bf16(w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1]
+    out = torch.ops.fw_quant_fp8.fp8_gemv_bf16(x.reshape(rows, x.shape[-1]), w.weight.view(torch.uint8), w.scale)
+    out = out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+    return out if bias is None else out + bias
+
+
 PRODUCT = widening_product("fp8.linear", "fp8_gemv")
+# bf16 activations times the weights as bf16 pairs (AVX-512 BF16; csrc/gemv.cpp says why that is exact but for
+# the order of the sums): a scale per row only.
+PRODUCT.register(kernels.Candidate(
+    "fw-bf16", _native_bf16, supports=lambda key: key[2] is None and key[3] == "bfloat16" and native_supports(key)
+    and torch.ops.fw_quant_fp8.has_bf16_dot()))
 # W8A8 with a scale per token or a static one (no groups): the widening products on rounded activations, and
 # torch._scaled_mm's FP8 GEMM where the GPU has one.
 W8A8 = w8a8_product("fp8.linear.a8", PRODUCT, E4M3,

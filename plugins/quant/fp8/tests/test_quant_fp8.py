@@ -266,3 +266,56 @@ def test_triton_gemm_in_the_interpreter(element, shape, group):
     if element == "fp8":  # all 256 bytes but NaN, subnormals included
         every = torch.arange(256, dtype=torch.uint8).view(numerics.FP8).float().nan_to_num(0.0).to(numerics.FP8)
         assert torch.equal(gemm8(torch.eye(32), every.view(8, 32), torch.ones(8, 1), None).T, every.view(8, 32).float())
+
+
+# --- the bf16-pair product (AVX-512 BF16) -----------------------------------------------------------------------
+
+
+def test_bf16_pair_product_takes_every_fp8_value_exactly():
+    """``fw-bf16`` reads each e4m3 byte as a bf16 through two byte tables and its sign: with one weight row per
+    byte value (subnormals, zeros and both signs; NaN left out) and x a one-hot row, each output is that weight
+    itself, times its row scale, exactly; rows of several tokens and a width with a tail agree with float64 to
+    float32's summation error."""
+    from fw_quant_fp8 import method
+
+    candidate = method.PRODUCT.candidates["fw-bf16"]
+    if not candidate.supports((1, 128, None, "bfloat16", "cpu")):
+        pytest.skip("this CPU has no AVX-512 BF16 and VBMI (or no C++ compiler)")
+    values = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    width = 130  # two 64-weight chunks and a tail of 2
+    weight = torch.zeros(len(values), width, dtype=torch.uint8)
+    weight[:, 67] = values  # in the second chunk's second half: the interleaved order is exercised
+    scale = torch.full((len(values), 1), 0.5)
+    rows = method.QuantizedRows(weight.view(torch.float8_e4m3fn), scale, None)
+    x = torch.zeros(1, width, dtype=torch.bfloat16)
+    x[0, 67] = 1.0
+    out = torch.ops.fw_quant_fp8.fp8_gemv_bf16(x, weight, scale)
+    assert torch.equal(out[0], values.view(torch.float8_e4m3fn).float() * 0.5)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randint(0, 256, (40, width), dtype=torch.uint8, generator=gen)
+    weight[(weight & 0x7F) == 0x7F] = 0
+    rows = method.QuantizedRows(weight.view(torch.float8_e4m3fn), torch.rand(40, 1, generator=gen), None)
+    for m in (1, 3, 9):
+        x = torch.randn(m, width, generator=gen).bfloat16()
+        expected = x.double() @ (rows.weight.double() * rows.scale.double()).T
+        out = torch.ops.fw_quant_fp8.fp8_gemv_bf16(x, weight, rows.scale).double()
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+        assert candidate.run(rows, x).dtype == torch.bfloat16
+
+
+def test_bf16_pair_product_runs_only_where_it_is_exact_and_built():
+    """bf16 activations, a scale per row, and a CPU with AVX-512 BF16 and VBMI: float32 activations would be
+    rounded, block scales are not read."""
+    import os
+
+    from fw_quant_fp8 import method
+
+    widening = method.PRODUCT.candidates["fw"]
+    candidate = method.PRODUCT.candidates["fw-bf16"]
+    key = (64, 896, None, "bfloat16", "cpu")
+    if not widening.supports(key):
+        pytest.skip("no C++ compiler for the native kernels")
+    flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
+    assert candidate.supports(key) == ({"avx512_bf16", "avx512vbmi"} <= flags)
+    assert not candidate.supports((64, 896, None, "float32", "cpu"))
+    assert not candidate.supports((64, 896, 128, "bfloat16", "cpu"))

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "fw_cpu.h"
 
@@ -136,6 +137,121 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor&
   return y;
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+// FP8 weights times bf16 activations in bf16 pairs (vdpbf16ps, AVX-512 BF16): every e4m3 value is a bf16 value
+// (4 exponent bits fit in 8, 3 mantissa bits in 7; the subnormals become normal), and a bf16 product is exact in
+// float32, so only the order of the float32 sums differs from widening each weight to float32, at a quarter of
+// the instructions. A weight byte's bf16 comes from two 128-entry byte tables (its magnitude's low and high
+// bytes, one vpermi2b each for 64 weights) and its sign bit; the bytes interleave into words within each 128-bit
+// lane, so the activations are laid out once per call in that same order.
+struct Bf16Tables {
+  __m512i lo[2], hi[2];  // bytes of the bf16 bits of magnitudes 0-63 and 64-127
+  Bf16Tables() {
+    alignas(64) uint8_t l[128], h[128];
+    for (int v = 0; v < 128; ++v) {
+      const float f = widen_fp8(uint8_t(v));
+      uint32_t bits;
+      std::memcpy(&bits, &f, 4);
+      l[v] = uint8_t(bits >> 16), h[v] = uint8_t(bits >> 24);
+    }
+    for (int i = 0; i < 2; ++i) lo[i] = _mm512_load_si512(l + 64 * i), hi[i] = _mm512_load_si512(h + 64 * i);
+  }
+};
+
+// The words of 64 activations (bf16) in the order the weights' bytes interleave: within each 128-bit lane,
+// elements 0-7 of its 16 to the first vector and 8-15 to the second.
+void interleave_bf16(const uint16_t* x, int64_t K, uint16_t* out) {
+  for (int64_t c = 0; c < K; c += 64)
+    for (int lane = 0; lane < 4; ++lane)
+      for (int j = 0; j < 16; ++j) {
+        const int64_t k = c + 16 * lane + j;
+        out[c + (j < 8 ? 0 : 32) + 8 * lane + (j & 7)] = k < K ? x[k] : 0;
+      }
+}
+
+// Accumulators: the two halves of a 64-weight chunk apart, and for one or two rows even and odd chunks apart too,
+// so that no vdpbf16ps waits on the previous one (their latency, not the memory, bounded a single chain).
+template <int M>
+void dot_row_bf16(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K, const Bf16Tables& t, float* out) {
+  constexpr int S = M <= 2 ? 2 : 1;
+  __m512 acc[S][2][M];
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < M; ++m) acc[s][0][m] = acc[s][1][m] = _mm512_setzero_ps();
+  const __m512i sign = _mm512_set1_epi8(char(0x80));
+  auto chunk = [&](int64_t k, __m512i b, __m512 (*a)[M]) {
+    const __m512i lo = _mm512_permutex2var_epi8(t.lo[0], b, t.lo[1]);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi[0], b, t.hi[1]), b, sign, 0xf8);
+    const __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi), w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+    for (int m = 0; m < M; ++m) {
+      const uint16_t* xm = x + m * ldx + k;
+      a[0][m] = _mm512_dpbf16_ps(a[0][m], (__m512bh)_mm512_loadu_si512(xm), w0);
+      a[1][m] = _mm512_dpbf16_ps(a[1][m], (__m512bh)_mm512_loadu_si512(xm + 32), w1);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 64 * S <= K; k += 64 * S)
+    for (int s = 0; s < S; ++s) {
+      fw::prefetch_ahead(w + k + 64 * s);
+      chunk(k + 64 * s, _mm512_loadu_si512(w + k + 64 * s), acc[s]);
+    }
+  for (; k < K; k += 64) {  // zeros past K: +0.0 weights
+    const __mmask64 live = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
+    chunk(k, _mm512_maskz_loadu_epi8(live, w + k), acc[0]);
+  }
+  for (int m = 0; m < M; ++m) {
+    __m512 sum = _mm512_add_ps(acc[0][0][m], acc[0][1][m]);
+    if constexpr (S == 2) sum = _mm512_add_ps(sum, _mm512_add_ps(acc[1][0][m], acc[1][1][m]));
+    out[m] = _mm512_reduce_add_ps(sum);
+  }
+}
+#endif
+
+bool has_bf16_dot() {
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x bf16 [M, K]; weight: FP8 e4m3 bits [N, K] as uint8; scale float32 [N, 1] (a scale per row). Returns float32
+// [M, N].
+at::Tensor fp8_gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1), "x [M, K] and weight [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bfloat16");
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0), "scale must be float32 [N, 1]");
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+  static const Bf16Tables tables;
+  constexpr int64_t kRows = 8;
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), ldx = (K + 63) / 64 * 64;
+  const auto xc = x.contiguous();
+  std::vector<uint16_t> xi(M * ldx);
+  for (int64_t m = 0; m < M; ++m)
+    interleave_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()) + m * K, K, xi.data() + m * ldx);
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  using RowFn = void (*)(const uint16_t*, int64_t, const uint8_t*, int64_t, const Bf16Tables&, float*);
+  static constexpr RowFn kDots[kRows] = {dot_row_bf16<1>, dot_row_bf16<2>, dot_row_bf16<3>, dot_row_bf16<4>,
+                                         dot_row_bf16<5>, dot_row_bf16<6>, dot_row_bf16<7>, dot_row_bf16<8>};
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const float* sp = scale.contiguous().data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t m = 0; m < M; m += kRows) {
+    const int64_t rows = std::min(kRows, M - m);
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      float dot[kRows];
+      for (int64_t n = begin; n < end; ++n) {
+        kDots[rows - 1](xi.data() + m * ldx, ldx, wp + n * K, K, tables, dot);
+        for (int64_t r = 0; r < rows; ++r) yp[(m + r) * N + n] = dot[r] * sp[n];
+      }
+    });
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "fp8_gemv_bf16: built without AVX-512 BF16 and VBMI (has_bf16_dot() is false)");
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fw_quant_fp8, m) {
@@ -143,4 +259,7 @@ TORCH_LIBRARY(fw_quant_fp8, m) {
   m.impl("fp8_gemv", c10::DispatchKey::CPU, TORCH_FN(gemv<Fp8>));
   m.def("int8_gemv(Tensor x, Tensor weight, Tensor scale, int group) -> Tensor");
   m.impl("int8_gemv", c10::DispatchKey::CPU, TORCH_FN(gemv<Int8>));
+  m.def("fp8_gemv_bf16(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+  m.impl("fp8_gemv_bf16", c10::DispatchKey::CPU, TORCH_FN(fp8_gemv_bf16));
+  m.def("has_bf16_dot() -> bool", TORCH_FN(has_bf16_dot));
 }

@@ -154,6 +154,7 @@ void dot_row(const float* x, const RowAux& aux, const uint8_t* row, float* y, in
   __m512 acc[S][2][M];
   for (int s = 0; s < S; ++s)
     for (int m = 0; m < M; ++m) acc[s][0][m] = acc[s][1][m] = _mm512_setzero_ps();
+  for (int64_t off = 0; off < blocks * bb; off += 64) fw::prefetch_ahead(row + off);  // a row's lines, once
   auto block = [&](int64_t b, __m512 (*a)[M]) {
     __m512 lo, hi;
     block_weights<T>(row + b * bb, aux.d + b, aux.m + b, lo, hi);
