@@ -10,6 +10,7 @@ with the reference activation quantization hooked in front of every quantized mo
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -306,8 +307,6 @@ def test_bf16_pair_product_takes_every_fp8_value_exactly():
 def test_bf16_pair_product_runs_only_where_it_is_exact_and_built():
     """bf16 activations, a scale per row, and a CPU with AVX-512 BF16 and VBMI: float32 activations would be
     rounded, block scales are not read."""
-    import os
-
     from fw_quant_fp8 import method
 
     widening = method.PRODUCT.candidates["fw"]
@@ -315,7 +314,7 @@ def test_bf16_pair_product_runs_only_where_it_is_exact_and_built():
     key = (64, 896, None, "bfloat16", "cpu")
     if not widening.supports(key):
         pytest.skip("no C++ compiler for the native kernels")
-    flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
+    flags = set(cpuinfo.read_text().split()) if (cpuinfo := Path("/proc/cpuinfo")).exists() else set()
     assert candidate.supports(key) == ({"avx512_bf16", "avx512vbmi"} <= flags)
     assert not candidate.supports((64, 896, None, "float32", "cpu"))
     assert not candidate.supports((64, 896, 128, "bfloat16", "cpu"))

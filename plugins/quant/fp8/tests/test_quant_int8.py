@@ -5,7 +5,7 @@ own forward), and the W8A8 kernel's integer rounding against compressed-tensors'
 from __future__ import annotations
 
 import json
-import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,7 +156,7 @@ def test_the_vnni_candidate_runs_where_the_cpu_has_vnni():
     key = (64, 896, None, "bfloat16", "cpu")
     if not fw.supports(key):
         pytest.skip("no C++ compiler for the native kernels")
-    flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
+    flags = set(cpuinfo.read_text().split()) if (cpuinfo := Path("/proc/cpuinfo")).exists() else set()
     assert method.W8A8.candidates["fw-vnni"].supports(key) == ({"avx512_vnni", "avx512bw"} <= flags)
     assert not method.W8A8.candidates["fw-vnni"].supports((64, 896, None, "float16", "cpu"))
 
