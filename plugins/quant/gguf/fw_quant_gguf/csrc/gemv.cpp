@@ -351,6 +351,7 @@ template <int64_t T, typename A, int M>
 void dot_row_int(const A* xq, const float* dx, const float* xs, const uint8_t* row, float* y, int64_t ldy,
                  int64_t blocks, int64_t K) {
   constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+  for (int64_t off = 0; off < blocks * bb; off += 64) fw::prefetch_ahead(row + off);  // a row's lines, once
   sum_blocks<M>(blocks, y, ldy, [&](int64_t b, __m256* a, float* o) {
     const uint8_t* blk = row + b * bb;
     float d, offset;

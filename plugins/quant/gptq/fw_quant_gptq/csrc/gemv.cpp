@@ -77,6 +77,7 @@ void dot_rows(const float* x, const float* gsum, const Rows& r, int bits, float*
       for (int i = 0; i < R; ++i) part[m][i] = _mm256_setzero_ps();
     for (int64_t b = b0; b < b1; ++b) {
       for (int i = 0; i < R; ++i) {
+        if (b * bb % 64 < bb) fw::prefetch_ahead(r.q + i * r.stride + b * bb);  // once per cache line
         __m256 v[4];
         block_floats(r.q + i * r.stride + b * bb, bits, v);
         for (int m = 0; m < M; ++m) {
@@ -115,6 +116,7 @@ void dot_rows_a8(const int8_t* xq, const float* dx, const float* gsum, const Row
       for (int i = 0; i < R; ++i) part[m][i] = _mm256_setzero_ps();
     for (int64_t b = b0; b < b1; ++b) {
       for (int i = 0; i < R; ++i) {
+        if (b * bb % 64 < bb) fw::prefetch_ahead(r.q + i * r.stride + b * bb);  // once per cache line
         const __m256i w = block_bytes(r.q + i * r.stride + b * bb, bits);
         const __m256i wabs = bits == 4 ? w : _mm256_sign_epi8(w, w);
         for (int m = 0; m < M; ++m) {
