@@ -2,6 +2,7 @@
 
     python benchmarks/peers/llamacpp_peer.py --model DIR     # converts DIR to a bf16 GGUF once, then runs it
     python benchmarks/peers/llamacpp_peer.py --model DIR --outtype q8_0   # ... or to Q8_0 (fw's 8-bit paths)
+    python benchmarks/peers/llamacpp_peer.py --model DIR --outtype q4_0   # ... or to Q4_0 (4-bit GPTQ/AWQ)
     python benchmarks/peers/llamacpp_peer.py --gguf FILE     # runs an existing GGUF (e.g. a Q4_1 one)
 
 The high-level `Llama` class decodes one sequence at a time, so the 32-request part drives llama_batch
@@ -55,18 +56,37 @@ def convert(model: Path, outtype: str = "bf16") -> Path:
     return out
 
 
+def quantize(ll, source: Path, ftype: int, name: str) -> Path:
+    """``source`` quantized by llama.cpp's quantizer (llama-quantize's defaults: every matrix, the output too)."""
+    out = source.with_name(source.name.replace("-bf16", f"-{name}"))
+    if out.exists() and out.stat().st_mtime > source.stat().st_mtime:
+        return out
+    params = ll.llama_model_quantize_default_params()
+    params.ftype, params.nthread = ftype, common.THREADS
+    tmp = out.with_suffix(".part")
+    assert ll.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params)) == 0, "quantize failed"
+    tmp.rename(out)
+    return out
+
+
 def main() -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--gguf", help="An existing GGUF file to run instead of converting --model.")
-    p.add_argument("--outtype", default="bf16", choices=("bf16", "q8_0"),
-                   help="What --model converts to: bf16 (the peer comparison), or q8_0 (against fw's 8-bit paths).")
+    p.add_argument("--outtype", default="bf16", choices=("bf16", "q8_0", "q4_0"),
+                   help="What --model converts to: bf16 (the peer comparison), q8_0 (against fw's 8-bit paths) or "
+                   "q4_0 (against 4-bit GPTQ/AWQ: the bf16 file quantized by llama.cpp's own quantizer).")
     args = p.parse_args()
     if not (args.model or args.gguf):
         p.error("give --model DIR or --gguf FILE")
     common.enter_venv("llamacpp")
     import llama_cpp as ll
 
-    gguf = Path(args.gguf) if args.gguf else convert(Path(args.model), args.outtype)
+    if args.gguf:
+        gguf = Path(args.gguf)
+    elif args.outtype == "q4_0":
+        gguf = quantize(ll, convert(Path(args.model)), ll.LLAMA_FTYPE_MOSTLY_Q4_0, "q4_0")
+    else:
+        gguf = convert(Path(args.model), args.outtype)
     args.model = str(gguf)
 
     # llama-cpp-python routes llama.cpp's log here; its info level prints every graph built, several per step.
