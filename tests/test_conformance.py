@@ -2,6 +2,8 @@
 
 from functools import partial
 
+import pytest
+
 from fw.interfaces.attention import MLADims
 from fw.testing.conformance import (
     AttentionConformance,
@@ -39,6 +41,10 @@ class TestTritonAttention(AttentionConformance):
     """On a CPU in Triton's interpreter (conftest.py), float32 only."""
 
     plugin = "triton"
+
+    def test_captured_decode_steps_give_the_eager_tokens(self, tmp_path_factory) -> None:
+        pytest.skip("on a CPU Triton runs in its interpreter, for its kernels' tests: an engine's step there takes "
+                    "seconds, and decode steps are captured on the CPU only")
 
 
 class TestUnquantized(QuantConformance):

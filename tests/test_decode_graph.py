@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as Q
 
 from fw import LLM, SamplingParams
 from fw.layers.layernorm import RMSNorm
+from fw.testing.conformance import captured_against_eager
 from fw.testing.models import make_tiny_model
 
 # Different lengths, so a step's requests cross block boundaries (16 tokens) at different steps.
@@ -47,15 +48,16 @@ def test_replayed_steps_give_the_eager_tokens(bf16_llama, dtype):
     assert tokens == _eager(bf16_llama, dtype=dtype)
 
 
-def test_replayed_steps_of_a_quantized_model_give_the_eager_tokens(bf16_llama, tmp_path, monkeypatch):
-    # The native product, as kernel choice picks it on a quiet machine: under load it may time the torch candidate
-    # faster, whose dequantization views bytes as float16, which torch.jit.trace cannot record (the step then
-    # stays eager, which test_a_step_the_tracer_cannot_record_runs_eagerly covers).
-    monkeypatch.setenv("FW_KERNELS", "gguf.linear=fw")
-    path = gguf_tests.write_gguf(bf16_llama, tmp_path / "tiny.gguf", Q.Q4_1)
-    tokens, graphs = _run(path)
-    assert graphs.replayed[1, 1] > 0 and graphs.replayed[3, 3] > 0
-    assert tokens == _eager(path)
+@pytest.mark.parametrize("qtype, options", [(Q.Q4_1, {}), (Q.Q8_0, {}), (Q.Q4_0, {"activations": "int8"})])
+def test_captured_steps_of_gguf_models_give_the_eager_tokens(bf16_llama, tmp_path, monkeypatch, qtype, options):
+    """GGUF is the quant method the conformance suite's checkpoints do not cover (its files are whole models).
+    Its native products, as kernel choice picks them on a quiet machine: under load it may time the torch
+    candidate faster, whose dequantization views bytes as float16, which torch.jit.trace cannot record (the step
+    then stays eager, which test_a_step_the_tracer_cannot_record_runs_eagerly covers)."""
+    monkeypatch.setenv("FW_KERNELS", "gguf.linear=fw,gguf.linear.a8=fw")
+    path = gguf_tests.write_gguf(bf16_llama, tmp_path / "tiny.gguf", qtype)
+    graphs = captured_against_eager(path, plugin_options={"quant": options})
+    assert graphs.off is None and graphs.replayed.keys() >= {(1, 1), (3, 3)}, graphs.untraced
 
 
 def _assert_stays_eager(path, caplog, why: str, **kwargs) -> None:
@@ -92,18 +94,9 @@ def test_a_replay_that_differs_from_the_eager_step_is_dropped(bf16_llama, monkey
     _assert_stays_eager(bf16_llama, caplog, "the replay of a step of 3 requests and 3 tokens differs")
 
 
-@pytest.mark.parametrize("why", ["gathering decode kernel", "int8 cache"])
-def test_a_backend_that_does_not_declare_graph_support_stays_eager(bf16_llama, monkeypatch, caplog, why):
-    options = {"kv_cache_dtype": "int8"} if why == "int8 cache" else {}
-    if why == "gathering decode kernel":  # it sizes its work by a host-side length
-        monkeypatch.setenv("FW_KERNELS", "attention.decode=torch")
-    _assert_stays_eager(bf16_llama, caplog, "the attention backend TorchAttention does not support them", **options)
-
-
-def test_an_fp8_cache_replays(bf16_llama):
-    tokens, graphs = _run(bf16_llama, kv_cache_dtype="fp8")
-    assert graphs.replayed[1, 1] > 0 and graphs.replayed[3, 3] > 0
-    assert tokens == _eager(bf16_llama, kv_cache_dtype="fp8")
+def test_a_backend_that_does_not_declare_graph_support_stays_eager(bf16_llama, monkeypatch, caplog):
+    monkeypatch.setenv("FW_KERNELS", "attention.decode=torch")  # a gathering kernel: it sizes its work on the host
+    _assert_stays_eager(bf16_llama, caplog, "the attention backend TorchAttention does not support them")
 
 
 def test_steps_verifying_speculative_drafts_replay_and_give_the_eager_tokens(bf16_llama):

@@ -285,7 +285,7 @@ def _eight_bit_examples(op):
         def sample(rows, n=in_features):
             return (torch.randn(rows, n, generator=gen).bfloat16(),)
 
-        if op.name == "int8.linear":
+        if op.name in ("int8.linear", "fp8.logits", "int8.logits"):
             yield fp8_method.QuantizedRows(weight, scale, None), sample, (bias,)
         else:  # dynamic and static activation scales
             yield fp8_method.W8A8Rows(weight, scale, None), sample, (bias,)
@@ -335,7 +335,8 @@ def _attention_examples(op):
 EXAMPLES = {"dense.linear": _dense_examples, "dense.logits": _dense_examples, "gguf.linear": _gguf_examples, "gguf.linear.a8": _gguf_examples,
             "fp8.linear": _fp8_examples, "int.linear": _int_examples, "int.linear.a8": _int_examples,
             "int8.linear": _eight_bit_examples, "int8.linear.a8": _eight_bit_examples,
-            "fp8.linear.a8": _eight_bit_examples, "attention.decode": _attention_examples,
+            "fp8.linear.a8": _eight_bit_examples, "fp8.logits": _eight_bit_examples, "int8.logits": _eight_bit_examples,
+            "attention.decode": _attention_examples,
             "attention.prefill": _attention_examples}
 
 
@@ -347,7 +348,7 @@ def test_every_operation_has_examples():
 @pytest.mark.parametrize("op_name", sorted(EXAMPLES))
 def test_every_candidate_matches_the_reference_on_every_row_class(op_name):
     op = kernels.operations()[op_name]
-    extra_args = op_name != "dense.logits"  # the LM head has no bias
+    extra_args = not op_name.endswith(".logits")  # the LM head has no bias
     checked = set()
     for weight, sample, extra in EXAMPLES[op_name](op):
         reference = op.candidates[op.reference]
@@ -373,7 +374,7 @@ def test_every_candidate_matches_the_reference_on_every_row_class(op_name):
 # The native candidates every CPU with a compiler runs.
 NATIVE = {"dense.linear": {"fw-plain", "fw-gemm"}, "dense.logits": {"fw-plain"}, "gguf.linear": {"fw"}, "gguf.linear.a8": {"fw"}, "fp8.linear": {"fw"},
           "int.linear": {"fw"}, "int.linear.a8": {"fw"}, "int8.linear": {"fw"}, "int8.linear.a8": {"fw"},
-          "fp8.linear.a8": {"fw"}, "attention.decode": {"fw"}}
+          "fp8.linear.a8": {"fw"}, "fp8.logits": {"fw"}, "int8.logits": {"fw"}, "attention.decode": {"fw"}}
 
 
 def _key(op_name: str, weight, sample) -> tuple:
@@ -382,7 +383,7 @@ def _key(op_name: str, weight, sample) -> tuple:
         return torch_attention._key(weight, q.dtype, cache)
     if op_name.startswith("dense"):
         return dense._key(weight)
-    if op_name in ("fp8.linear", "fp8.linear.a8", "int8.linear", "int8.linear.a8"):
+    if op_name.startswith(("fp8.", "int8.")):
         return (*weight.weight.shape, weight.group, "bfloat16", "cpu")
     if op_name.startswith("int.linear"):
         return packed.key(weight, torch.bfloat16)

@@ -61,7 +61,8 @@ class FixedBlockAttention(attention.AttentionBackend):
 
 
 class ForgetfulInt8Linear(quant.LinearMethod):
-    """int8 per-row weights whose product forgets to multiply the scales back in."""
+    """int8 per-row weights whose product forgets to multiply the scales back in, and branches in Python on its
+    input's values (a captured decode step would replay one step's branch forever)."""
 
     def create_weights(self, layer, spec):
         shape = (sum(spec.output_sizes), spec.input_size)
@@ -73,6 +74,8 @@ class ForgetfulInt8Linear(quant.LinearMethod):
         layer.qweight, layer.scale = quantize_rows(layer.weight)
 
     def apply(self, layer, x, bias=None):
+        if x.abs().max().item() == 0:  # the second bug: a tensor's value read into Python
+            return x.new_zeros(*x.shape[:-1], layer.qweight.shape[0])
         return F.linear(x, layer.qweight.to(x.dtype), bias)  # the bug: no "* layer.scale.T"
 
 

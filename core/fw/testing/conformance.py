@@ -271,6 +271,27 @@ class AttentionConformance(PluginConformance):
             for dtype, block_size in self._cases():
                 self._check(dtype, block_size, None, kv_cache_dtype)
 
+    def test_captured_decode_steps_give_the_eager_tokens(self, tmp_path_factory) -> None:
+        """A tiny model on this backend decodes with the eager engine's tokens when ``fw.decode_graph`` captures its
+        steps (on the CPU, where steps are captured), in every KV-cache dtype the backend declares, at
+        ``DECODE_BATCHES`` through preemptions and prefix hits. Where the backend declares decode graphs, steps of 1
+        and 3 requests replay; where it does not, every step stays eager, for that reason alone."""
+        from fw.testing.models import make_tiny_model
+
+        if self.device() != "cpu":
+            pytest.skip("decode steps are captured on the CPU only")
+        caps = self.spec.capabilities
+        if caps.mla_only:
+            pytest.skip(f"{self.plugin} runs multi-head latent attention only")
+        dtype = "bfloat16" if "bfloat16" in caps.dtypes else sorted(caps.dtypes)[0]
+        path = make_tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("graphs") / "llama", dtype=dtype)
+        for kv_cache_dtype in sorted(caps.kv_cache_dtypes):
+            graphs = captured_against_eager(path, attention=self.plugin, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
+            if graphs.off is None:
+                assert graphs.replayed.keys() >= {(1, 1), (3, 3)}, f"{kv_cache_dtype}: untraced {graphs.untraced}"
+            else:
+                assert graphs.replayed == {} and " does not support them" in graphs.off, f"{kv_cache_dtype}: {graphs.off}"
+
     def test_mla(self) -> None:
         """Multi-head latent attention against the expanded product: K = [latent W_UK^T, k_pe], V = latent W_UV,
         in every KV-cache dtype the backend declares."""
@@ -344,6 +365,49 @@ def _load(hf_config: dict, method: quant.QuantMethod, weights, dtype: torch.dtyp
 _ROUNDING = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
 
+# Decode steps of 1, 3, 8 and 17 requests: below, at and above the largest batch fw.decode_graph captures.
+DECODE_BATCHES = (1, 3, 8, 17)
+
+
+def decode_workload(llm: Any) -> tuple[list[list[int]], Any]:
+    """Greedy tokens of ``DECODE_BATCHES`` batches of requests on one engine, every prompt 24 shared tokens and a
+    short tail of its own (prefix-cache hits), and the engine's stats. The last batch's requests stop at different
+    lengths, so it shrinks through smaller sizes; in a cache of 24 blocks of 16 tokens its 17 requests start
+    together and then outgrow it (preemptions, and recomputes that hit the cache), while captured sizes replay."""
+    prefix = [(7 * i + 3) % 200 + 10 for i in range(24)]
+    tokens = []
+    for n in DECODE_BATCHES:
+        prompts = [{"prompt_token_ids": prefix + [(31 * n + 7 * j + t) % 200 + 10 for t in range(1 + j % 5)]}
+                   for j in range(n)]
+        params = [SamplingParams(max_tokens=8 + 3 * (j % 8) if n == DECODE_BATCHES[-1] else 12, temperature=0,
+                                 ignore_eos=True) for j in range(n)]
+        tokens += [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return tokens, llm.llm_engine.stats()
+
+
+def captured_against_eager(path: str | Path, **engine_args: Any) -> Any:
+    """Runs ``decode_workload`` with captured decode steps and with ``enforce_eager``: the tokens must be equal
+    (a replay repeats the eager step's kernels, so the math is the same), and both engines preempted and hit the
+    prefix cache. Returns the captured engine's ``DecodeGraphs``: what replayed, what the tracer could not record,
+    and why capturing stopped, if it did."""
+    from fw import LLM
+
+    args = {"num_kv_blocks": 24, "block_size": 16, "max_model_len": 128, **engine_args}
+    runs = []
+    for eager in (False, True):
+        llm = LLM(str(path), enforce_eager=eager, **args)
+        try:
+            runs.append((*decode_workload(llm), llm.llm_engine.executor.runner.graphs))
+        finally:
+            llm.shutdown()
+    (tokens, stats, graphs), (eager_tokens, eager_stats, _) = runs
+    assert graphs is not None, "the engine captures no decode steps for this model"
+    for s in (stats, eager_stats):
+        assert s.num_preemptions > 0 and s.prefix_cache_hits > 0, s
+    assert tokens == eager_tokens
+    return graphs
+
+
 class QuantConformance(PluginConformance):
     """Every linear layer of a tiny model, loaded from a checkpoint of each format the plugin declares (through the
     layers' weight loaders: fused q/k/v and gate/up shards, packed parameters), against the plugin's own
@@ -409,6 +473,24 @@ class QuantConformance(PluginConformance):
             tol = self.fixtures[fmt].tolerance
             self._compare(self._dequantized(fmt, checkpoints), float_weights, "cpu", torch.float32, tol,
                           f"{fmt} checkpoint dequantized against the float weights")
+
+    def test_captured_decode_steps_give_the_eager_tokens(self, checkpoints, monkeypatch) -> None:
+        """A model of every format decodes as ``fw.decode_graph`` captures it (on the CPU, where steps are
+        captured) with the eager engine's tokens, at ``DECODE_BATCHES``, through preemptions and prefix hits; and
+        steps of 1 and 3 requests replay: every candidate of the plugin's products is an op the tracer records.
+        The core's float layers (what layers a plugin leaves in float, and the LM head) keep a candidate the tracer
+        records, as oneDNN's prepacked weights, which kernel choice may time fastest, are not: tests/test_decode_graph
+        covers those."""
+        if self.device() != "cpu":
+            pytest.skip("decode steps are captured on the CPU only")
+        monkeypatch.setenv("FW_KERNELS", "dense.linear=torch,dense.logits=torch")
+        dtypes = self._dtypes("cpu")
+        dtype = torch.bfloat16 if torch.bfloat16 in dtypes else dtypes[0]  # a CPU's default for 16-bit checkpoints
+        for fmt, (path, _config) in checkpoints.items():
+            graphs = captured_against_eager(path, quant=self.plugin, dtype=str(dtype).removeprefix("torch."),
+                                            plugin_options={"quant": self.options})
+            assert graphs.off is None, f"{fmt}: capturing stopped: {graphs.off}"
+            assert graphs.replayed.keys() >= {(1, 1), (3, 3)}, f"{fmt}: {graphs.replayed}, untraced {graphs.untraced}"
 
     def test_linear_layers_match_the_dequantized_weights(self, checkpoints) -> None:
         device = self.device()

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from fw.sdk import kernels, native
-from fw_quant_fp8.method import Fp8Method, W8A8Rows, w8a8_product, widening_product
+from fw_quant_fp8.method import Fp8Method, W8A8Rows, logits_product, w8a8_product, widening_product
 from fw_quant_fp8.numerics import INT8
 
 _SOURCE = Path(__file__).parent / "csrc" / "w8a8.cpp"
@@ -56,6 +56,7 @@ def _native_supports(key: tuple) -> bool:
 
 
 WEIGHT_ONLY = widening_product("int8.linear", "int8_gemv")
+LOGITS = logits_product("int8.logits", "int8_gemv")
 W8A8 = w8a8_product("int8.linear.a8", WEIGHT_ONLY, INT8, (
     kernels.Candidate("fw", _native, supports=_native_supports),
     kernels.Candidate("fw-vnni", _vnni, prepare=lambda w: _SummedRows(w, w.weight.sum(1, dtype=torch.int32)),
@@ -67,4 +68,5 @@ W8A8 = w8a8_product("int8.linear.a8", WEIGHT_ONLY, INT8, (
 class Int8Method(Fp8Method):
     element = INT8
     weight_only = WEIGHT_ONLY
+    logits = LOGITS
     w8a8 = W8A8

@@ -21,6 +21,7 @@ cores, ``torch._scaled_mm``; per-group activation scales go through ``fp8.linear
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -91,8 +92,7 @@ def product_in(w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor | None, dty
 def _native(kernel: str, w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     group = w.group or w.weight.shape[1]
-    out = getattr(torch.ops.fw_quant_fp8, kernel)(x.reshape(rows, x.shape[-1]), w.weight.view(torch.uint8), w.scale,
-                                                   group)
+    out = getattr(torch.ops.fw_quant_fp8, kernel)(x.reshape(rows, x.shape[-1]), w.weight, w.scale, group)
     out = out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
     return out if bias is None else out + bias
 
@@ -104,6 +104,12 @@ def _triton(w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor | None = None)
     return out if bias is None else out + bias
 
 
+def as_bits(w: QuantizedRows) -> QuantizedRows:
+    """The native kernels' state: the weight's bytes as uint8, viewed once at load (the step's tracer cannot
+    record a view of a float8 tensor as another dtype)."""
+    return dataclasses.replace(w, weight=w.weight.view(torch.uint8))
+
+
 def native_supports(key: tuple) -> bool:
     """The ``fw`` candidates' condition: a CPU weight and the kernels built (``key[4]``: the weight's device)."""
     return key[4] == "cpu" and native.load("fw_quant_fp8", _SOURCE)
@@ -112,7 +118,7 @@ def native_supports(key: tuple) -> bool:
 def widening_product(name: str, kernel: str) -> kernels.Operation:
     """The operation of a weight-only product with ``kernel`` (``csrc/gemv.cpp``) as its native candidate."""
     op = kernels.Operation(name, reference="torch")
-    op.register(kernels.Candidate("fw", partial(_native, kernel), supports=native_supports))
+    op.register(kernels.Candidate("fw", partial(_native, kernel), as_bits, "bits", native_supports))
     op.register(kernels.Candidate("torch", lambda w, x, bias=None: product_in(w, x, bias, x.dtype)))
     op.register(kernels.Candidate(
         "torch-fp32", lambda w, x, bias=None: product_in(w, x, bias, torch.float32).to(x.dtype),
@@ -165,19 +171,36 @@ def _has_fp8_matmul(key: tuple) -> bool:
             and torch.cuda.get_device_capability() >= (8, 9))
 
 
-def _native_bf16(w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _bf16_pairs(w: QuantizedRows, x: torch.Tensor) -> torch.Tensor:
+    """float32 products of bf16 activations with the FP8 rows in bf16 pairs (AVX-512 BF16; csrc/gemv.cpp says why
+    that is exact but for the order of the sums): a scale per row only."""
     rows = x.numel() // x.shape[-1]
-    out = torch.ops.fw_quant_fp8.fp8_gemv_bf16(x.reshape(rows, x.shape[-1]), w.weight.view(torch.uint8), w.scale)
-    out = out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+    out = torch.ops.fw_quant_fp8.fp8_gemv_bf16(x.reshape(rows, x.shape[-1]), w.weight, w.scale)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _native_bf16(w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = _bf16_pairs(w, x).to(x.dtype)
     return out if bias is None else out + bias
 
 
+def _has_bf16_pairs(key: tuple) -> bool:
+    return key[2] is None and key[3] == "bfloat16" and native_supports(key) and torch.ops.fw_quant_fp8.has_bf16_dot()
+
+
+def logits_product(name: str, kernel: str) -> kernels.Operation:
+    """The operation of a weight-only LM head: float32 logits from hidden states in the model's dtype, never
+    rounded to it (``fw`` widens the weights in registers against float32 activations)."""
+    op = kernels.Operation(name, reference="torch")
+    op.register(kernels.Candidate("fw", lambda w, x: _native(kernel, w, x.float()), as_bits, "bits", native_supports))
+    op.register(kernels.Candidate("torch", lambda w, x: product_in(w, x, None, torch.float32)))
+    return op
+
+
 PRODUCT = widening_product("fp8.linear", "fp8_gemv")
-# bf16 activations times the weights as bf16 pairs (AVX-512 BF16; csrc/gemv.cpp says why that is exact but for
-# the order of the sums): a scale per row only.
-PRODUCT.register(kernels.Candidate(
-    "fw-bf16", _native_bf16, supports=lambda key: key[2] is None and key[3] == "bfloat16" and native_supports(key)
-    and torch.ops.fw_quant_fp8.has_bf16_dot()))
+PRODUCT.register(kernels.Candidate("fw-bf16", _native_bf16, as_bits, "bits", _has_bf16_pairs))
+LOGITS = logits_product("fp8.logits", "fp8_gemv")
+LOGITS.register(kernels.Candidate("fw-bf16", _bf16_pairs, as_bits, "bits", _has_bf16_pairs))
 # W8A8 with a scale per token or a static one (no groups): the widening products on rounded activations, and
 # torch._scaled_mm's FP8 GEMM where the GPU has one.
 W8A8 = w8a8_product("fp8.linear.a8", PRODUCT, E4M3,
@@ -255,6 +278,7 @@ class Fp8LinearMethod(LinearMethod):
 class Fp8Method(QuantMethod):
     element = E4M3
     weight_only = PRODUCT  # the operation of weight-only products
+    logits = LOGITS  # and of a weight-only LM head
     w8a8 = W8A8  # and of products with activations rounded per token or by a static scale
 
     def __init__(self, options: Any = None, quant_config: dict[str, Any] | None = None) -> None:
@@ -277,10 +301,10 @@ class Fp8Method(QuantMethod):
     def get_logits_method(self, weight: torch.Tensor) -> Product | None:
         if self.options is None or not self.options.lm_head:
             return None
-        q, scale = quantize_rows(weight, self.element)
-        # Weight-only unless every layer's activations are quantized (option dynamic): then the head's too.
-        scheme = Scheme("channel", "dynamic" if self.options.activations == "dynamic" else "none")
-        product = self.product(QuantizedRows(q, scale, None), scheme, None, torch.float32)
+        rows = QuantizedRows(*quantize_rows(weight, self.element), None)
+        if self.options.activations != "dynamic":  # weight-only, as the layers are unless every one rounds its input
+            return select_product(self.logits, rows, weight.dtype)
+        product = self.product(rows, Scheme("channel", "dynamic"), None, torch.float32)
         return lambda hidden: product(hidden.float())
 
     def get_linear_method(self, spec: LinearSpec) -> LinearMethod:

@@ -301,7 +301,7 @@ def test_bf16_pair_product_takes_every_fp8_value_exactly():
         expected = x.double() @ (rows.weight.double() * rows.scale.double()).T
         out = torch.ops.fw_quant_fp8.fp8_gemv_bf16(x, weight, rows.scale).double()
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
-        assert candidate.run(rows, x).dtype == torch.bfloat16
+        assert candidate.run(candidate.prepare(rows), x).dtype == torch.bfloat16
 
 
 def test_bf16_pair_product_runs_only_where_it_is_exact_and_built():
