@@ -207,6 +207,22 @@ def test_native_silu_and_mul_matches_torch(layer_kernels, monkeypatch, dtype):
         torch.testing.assert_close(fast, ref, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("vocab", [151936, 100, 7])  # vector lanes and a tail; a tail alone
+def test_native_argmax_picks_torchs_index(layer_kernels, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(12, vocab, generator=gen)
+    logits[1, vocab // 3] = logits[1, 2 * vocab // 3] = logits[1, -1] = 99  # ties: the first one wins
+    logits[2] = 5.0  # all equal
+    logits[3] = float("-inf")  # a fully masked row: index 0, as torch says
+    logits[4, -1] = float("inf")
+    logits[5, vocab // 2] = float("nan")  # torch's NaN rule for this row, the kernel's for the others
+    logits[6, :] = -3e38
+    logits[6, vocab - 1] = -1e38
+    assert torch.equal(layer_kernels.argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(layer_kernels.argmax(logits[:, : vocab // 2 + 1]), logits[:, : vocab // 2 + 1].argmax(dim=-1))
+    assert layer_kernels.argmax(logits[:0]).shape == (0,)
+
+
 def test_each_version_of_a_kernel_source_builds_in_its_own_folder(tmp_path, monkeypatch):
     """Two installs of fw on one machine (or a checkout beside an installed copy) never share a build."""
     from fw.sdk import native

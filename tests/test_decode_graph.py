@@ -114,7 +114,7 @@ def test_a_step_the_tracer_cannot_record_runs_eagerly_and_other_shapes_still_rep
 
     trace = torch.jit.trace
 
-    def fails_at_three_requests(step, inputs, **kwargs):  # as oneDNN's prepacked weights, chosen at 8 rows on AMX
+    def fails_at_three_requests(step, inputs, **kwargs):  # as oneDNN's prepacked weights, where chosen
         if len(inputs[0]) == 3:
             raise RuntimeError("Unsupported value kind: Tensor")
         return trace(step, inputs, **kwargs)

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -399,6 +400,11 @@ def test_the_dense_candidates_this_cpu_runs(cache):
     assert ("onednn" in names) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert ("fw-plain" in names) == native.load("fw_dense", dense._SOURCE)
     assert {c.name for c in dense.LINEAR.supported((96, 64, "float32"))} == {"torch"}
+    # AMX tiles where the CPU has them (Linux grants them to any process that asks), never on a width they skip
+    flags = set(cpuinfo.read_text().split()) if (cpuinfo := Path("/proc/cpuinfo")).exists() else set()
+    amx = {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags and "fw-plain" in names
+    assert ("fw-amx" in names) == amx and ("fw-amx" in {c.name for c in dense.LOGITS.supported(key)}) == amx
+    assert "fw-amx" not in {c.name for c in dense.LINEAR.supported((96, 48, "bfloat16"))}
 
 
 def test_fw_kernels_forces_the_attention_kernels_of_a_model(cache, monkeypatch, tmp_path):

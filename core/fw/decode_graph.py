@@ -15,7 +15,7 @@ A graph is right only if the step's ops depend on nothing but those inputs. Thre
 - A new graph's first replay runs beside the eager step, and the two must give the same logits, bit for bit.
 After a failure every decode step runs eagerly, with one warning (the next size would fail alike), except when the
 tracer cannot record an op: kernel choice picks kernels per row count (oneDNN's prepacked weights, which a trace
-cannot hold, win at 8 rows and more on an AMX Xeon), so only that shape stays eager, and the others still replay.
+cannot hold, may time fastest at some), so only that shape stays eager, and the others still replay.
 ``--enforce-eager`` turns capturing off.
 """
 

@@ -14,6 +14,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 
 #include "fw_cpu.h"
@@ -81,6 +84,96 @@ void packed_product(const bf16* xp, int64_t M, int64_t K, const bf16* wp, const 
   });
 }
 #endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// AMX (Sapphire Rapids and later): the same pair-interleaved blocks are AMX's layout of a right-hand tile as they
+// stand (16 pairs of input features x 16 columns x 2 = 1 KiB, contiguous), so a tile multiply takes 16 rows x 32
+// input features of x against 16 such pairs, accumulating a 16 x 16 float32 tile. Rows go in tiles of 16, two
+// at a time, so x is padded with zero rows to a multiple of 32: several rows (batched decode, prefill, the LM
+// head over a batch) cost about what one does, and the float32 accumulators give the LM head its float32 logits.
+constexpr int64_t kAmxRows = 32, kAmxDepth = 32;  // rows of x per pass (two tiles), input features per tile
+
+bool amx_permitted() {  // Linux enables AMX's tile state per process on request (arch_prctl XCOMP_PERM)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// ypad [Mp, N] float32 = xpad [Mp, K] . W^T; Mp a multiple of kAmxRows, K of kAmxDepth.
+void amx_product(const bf16* x, int64_t Mp, int64_t K, const bf16* w, float* y, int64_t N) {
+  const int64_t blocks = N / kCols, block = K * kCols;  // elements per column block
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    TileConfig config;  // every tile 16 rows of 64 bytes: C 0-3, A 4-5, B 6-7
+    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t j = 2 * g;
+      const bool two = j + 1 < blocks;
+      const bf16* w0 = w + j * block;
+      for (int64_t m = 0; m < Mp; m += kAmxRows) {
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        const bf16* xm = x + m * K;
+        for (int64_t k = 0; k < K; k += kAmxDepth) {
+          _tile_loadd(4, xm + k, K * 2);
+          _tile_loadd(5, xm + 16 * K + k, K * 2);
+          _tile_loadd(6, w0 + k * kCols, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(2, 5, 6);
+          if (two) {
+            _tile_loadd(7, w0 + block + k * kCols, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        float* ym = y + m * N + j * kCols;
+        _tile_stored(0, ym, N * 4);
+        _tile_stored(2, ym + 16 * N, N * 4);
+        if (two) {
+          _tile_stored(1, ym + kCols, N * 4);
+          _tile_stored(3, ym + 16 * N + kCols, N * 4);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+// `linear` through AMX tiles (same weight, bias and output as `linear`); K a multiple of 32.
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                      bool float_out) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  TORCH_CHECK(amx_permitted(), "fw_dense.amx_linear: the kernel did not grant AMX tiles to this process");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bad x");
+  TORCH_CHECK(weight.dim() == 4 && weight.size(2) == kCols && weight.size(3) == 2 && weight.is_contiguous(), "bad w");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0) * kCols;
+  TORCH_CHECK(weight.size(1) * 2 == K && K % kAmxDepth == 0, "weight and x disagree, or K is not a multiple of 32");
+  const int64_t Mp = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
+  auto xp = Mp == M ? x.contiguous() : at::constant_pad_nd(x, {0, 0, 0, Mp - M});
+  auto y = at::empty({Mp, N}, x.options().dtype(at::kFloat));
+  amx_product(reinterpret_cast<const bf16*>(xp.data_ptr()), Mp, K, reinterpret_cast<const bf16*>(weight.data_ptr()),
+              y.data_ptr<float>(), N);
+  auto out = Mp == M ? y : y.narrow(0, 0, M);
+  if (bias.has_value()) out = out + bias->to(at::kFloat);
+  return float_out ? out.contiguous() : out.to(at::kBFloat16);
+#else
+  TORCH_CHECK(false, "fw_dense.amx_linear needs AMX-BF16");
+#endif
+}
+
+// Whether this build has `amx_linear` and the kernel lets this process use AMX tiles.
+bool amx_supported() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
 
 // x [M, K] bf16; weight [N / 16, K / 2, 16, 2] bf16 (see pack in fw/sdk/dense.py); bias [N] or None.
 // Returns [M, N] in x's dtype, or float32 when `float_out`.
@@ -250,4 +343,7 @@ TORCH_LIBRARY(fw_dense, m) {
   m.def("plain_linear(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor");
   m.impl("plain_linear", c10::DispatchKey::CPU, TORCH_FN(plain_linear));
   m.def("supported() -> bool", TORCH_FN(supported));
+  m.def("amx_linear(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor");
+  m.impl("amx_linear", c10::DispatchKey::CPU, TORCH_FN(amx_linear));
+  m.def("amx_supported() -> bool", TORCH_FN(amx_supported));
 }

@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <tuple>
 #include <type_traits>
@@ -303,6 +304,58 @@ void store_kv(at::Tensor& cache, const at::Tensor& slots, const at::Tensor& k, c
   }
 }
 
+// Greedy sampling's argmax over float32 logits [rows, vocab]: the first index of each row's largest value, as
+// torch.argmax chooses among ties, or -1 for a row holding a NaN (the caller leaves those to torch, whose NaN rule
+// this does not repeat). One pass per row, rows in parallel: torch's took 0.4 ms a row over a 152k vocabulary.
+void argmax_row(const float* x, int64_t V, int64_t* out) {
+  int64_t v = 0, best_i = 0;
+  float best = -INFINITY;
+  bool nan = false;
+#if defined(__AVX512F__)
+  if (V >= 16) {  // per lane: its largest value and where it first appeared
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    __m512i at = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), idx = at;
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 unordered = 0;
+    for (; v + 16 <= V; v += 16) {
+      const __m512 x16 = _mm512_loadu_ps(x + v);
+      const __mmask16 more = _mm512_cmp_ps_mask(x16, top, _CMP_GT_OQ);
+      unordered |= _mm512_cmp_ps_mask(x16, x16, _CMP_UNORD_Q);
+      top = _mm512_mask_mov_ps(top, more, x16);
+      at = _mm512_mask_mov_epi32(at, more, idx);
+      idx = _mm512_add_epi32(idx, step);
+    }
+    nan = unordered != 0;
+    alignas(64) float tops[16];
+    alignas(64) int32_t ats[16];
+    _mm512_store_ps(tops, top);
+    _mm512_store_si512(ats, at);
+    best = tops[0], best_i = ats[0];
+    for (int l = 1; l < 16; ++l)  // the largest, and of equal ones the first index
+      if (tops[l] > best || (tops[l] == best && ats[l] < best_i)) best = tops[l], best_i = ats[l];
+  }
+#endif
+  for (; v < V; ++v) {
+    nan |= x[v] != x[v];
+    if (x[v] > best) best = x[v], best_i = v;
+  }
+  *out = nan ? -1 : best_i;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 [rows, vocab]");
+  TORCH_CHECK(x.size(1) > 0 && x.size(1) < (int64_t(1) << 31), "vocab size out of range");
+  const auto xc = x.contiguous();
+  const int64_t R = x.size(0), V = x.size(1);
+  auto out = at::empty({R}, x.options().dtype(at::kLong));
+  const float* xp = xc.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) argmax_row(xp + r * V, V, op + r);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fw_layers, m) {
@@ -312,6 +365,8 @@ TORCH_LIBRARY(fw_layers, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_neox(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
+  m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.impl("rotary_neox", c10::DispatchKey::CPU, TORCH_FN(rotary_neox));

@@ -6,7 +6,8 @@ cost a third as much as the matrix products; at decode sizes their dozens of
 small ops a layer cost more than the arithmetic (a float32 GGUF model's decode
 step ran about 1,100 of them). The kernels do one pass each and round to bf16
 wherever the torch path rounds, so both paths agree. Other dtypes and
-devices, or a machine without a compiler, keep the torch path.
+devices, or a machine without a compiler, keep the torch path. Greedy
+sampling's argmax over the vocabulary is here too.
 """
 
 from __future__ import annotations
@@ -32,3 +33,14 @@ def _built() -> bool:  # asked a few hundred times a decode step: a global is th
 
 def usable(x: torch.Tensor) -> bool:
     return x.dtype in _DTYPES and x.device.type == "cpu" and _built()
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of float32 ``[rows, vocab]`` logits, the same indices (the first of equal values);
+    in one native pass on the CPU, where torch's argmax cost 0.4 ms a row over a 152k vocabulary. A row with a NaN
+    takes torch's answer."""
+    if logits.dim() != 2 or logits.dtype != torch.float32 or not usable(logits) or logits.shape[1] == 0:
+        return logits.argmax(dim=-1)
+    tokens = torch.ops.fw_layers.argmax_rows(logits)
+    nan = tokens < 0
+    return torch.where(nan, logits.argmax(dim=-1), tokens) if bool(nan.any()) else tokens

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from fw.interfaces.sampler import Sampler, SamplerOutput, SamplingBatch
+from fw.sdk import native_ops
 from fw.sdk.sampling_params import GREEDY_EPS
 
 
@@ -149,7 +150,7 @@ class DefaultSampler(Sampler):
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw = logits
         logits = self._shaped(logits, batch)
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = native_ops.argmax(logits)
         if batch.all_greedy:
             tokens = greedy_tokens
         else:
