@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -400,9 +401,11 @@ def test_the_dense_candidates_this_cpu_runs(cache):
     assert ("onednn" in names) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert ("fw-plain" in names) == native.load("fw_dense", dense._SOURCE)
     assert {c.name for c in dense.LINEAR.supported((96, 64, "float32"))} == {"torch"}
-    # AMX tiles where the CPU has them (Linux grants them to any process that asks), never on a width they skip
+    # AMX tiles where the CPU has them and Linux grants them (5.16 and later, to any process that asks), never on
+    # a width they skip
     flags = set(cpuinfo.read_text().split()) if (cpuinfo := Path("/proc/cpuinfo")).exists() else set()
-    amx = {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags and "fw-plain" in names
+    linux = tuple(int(v) for v in re.match(r"(\d+)\.(\d+)", os.uname().release).groups())
+    amx = {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags and "fw-plain" in names and linux >= (5, 16)
     assert ("fw-amx" in names) == amx and ("fw-amx" in {c.name for c in dense.LOGITS.supported(key)}) == amx
     assert "fw-amx" not in {c.name for c in dense.LINEAR.supported((96, 48, "bfloat16"))}
 
