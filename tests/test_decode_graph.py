@@ -49,12 +49,9 @@ def test_replayed_steps_give_the_eager_tokens(bf16_llama, dtype):
 
 
 @pytest.mark.parametrize("qtype, options", [(Q.Q4_1, {}), (Q.Q8_0, {}), (Q.Q4_0, {"activations": "int8"})])
-def test_captured_steps_of_gguf_models_give_the_eager_tokens(bf16_llama, tmp_path, monkeypatch, qtype, options):
-    """GGUF is the quant method the conformance suite's checkpoints do not cover (its files are whole models).
-    Its native products, as kernel choice picks them on a quiet machine: under load it may time the torch
-    candidate faster, whose dequantization views bytes as float16, which torch.jit.trace cannot record (the step
-    then stays eager, which test_a_step_the_tracer_cannot_record_runs_eagerly covers)."""
-    monkeypatch.setenv("FW_KERNELS", "gguf.linear=fw,gguf.linear.a8=fw")
+def test_captured_steps_of_gguf_models_give_the_eager_tokens(bf16_llama, tmp_path, qtype, options):
+    """The GGUF conformance suite's checkpoint is Q8_0 with float shards (the dequantizing candidates): these add
+    whole-model 4-bit and Q8_0 files on their native kernels, and int8 activations."""
     path = gguf_tests.write_gguf(bf16_llama, tmp_path / "tiny.gguf", qtype)
     graphs = captured_against_eager(path, plugin_options={"quant": options})
     assert graphs.off is None and graphs.replayed.keys() >= {(1, 1), (3, 3)}, graphs.untraced

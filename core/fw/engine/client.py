@@ -47,7 +47,18 @@ class EngineStats:
     num_preemptions: int = 0  # requests preempted (their KV freed, to recompute later), in total
     kv_connector: KVConnectorStats | None = None  # the connector's totals; None without a connector
     spec_decode: SpecDecodeStats | None = None  # speculative decoding's totals; None without speculation
+    decode_graphs: DecodeGraphStats | None = None  # captured decode steps; None where none are (enforce_eager, CUDA)
     replicas: tuple[ReplicaStats, ...] = ()  # -dp N: each replica's, as it last reported, by rank
+
+
+@dataclass(frozen=True)
+class DecodeGraphStats:
+    """Captured decode steps (``fw.decode_graph``): replays per step shape (requests, tokens), the shapes whose
+    steps the tracer could not record and why, and why every step runs eagerly, if one does."""
+
+    replayed: dict[tuple[int, int], int]
+    untraced: dict[tuple[int, int], str]
+    off: str | None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch
 
 from fw import distributed, draft_runner, plugins
 from fw.config import FwConfig
-from fw.engine.client import EngineError, EngineStats
+from fw.engine.client import DecodeGraphStats, EngineError, EngineStats
 from fw.engine.input_processor import InputProcessor, eos_token_ids, sequence_ids
 from fw.engine.output_processor import OutputProcessor
 from fw.engine.spec_decode import SpecDecoder
@@ -435,6 +435,7 @@ class LLMEngine:
     def _publish_stats(self) -> None:
         """Replace the stats snapshot (one reference: a reader on another thread sees the old or the new one)."""
         transfers = self.scheduler.transfers
+        graphs = self.executor.runner.graphs
         self._stats = EngineStats(
             running=len(self.scheduler.running),
             waiting=self.scheduler.num_waiting,
@@ -444,6 +445,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             kv_connector=replace(transfers.stats) if transfers.connector is not None else None,
             spec_decode=replace(self.spec.stats) if self.spec is not None else None,
+            decode_graphs=None if graphs is None else DecodeGraphStats(dict(graphs.replayed), dict(graphs.untraced),
+                                                                       graphs.off),
         )
 
     def shutdown(self) -> None:

@@ -388,8 +388,8 @@ def decode_workload(llm: Any) -> tuple[list[list[int]], Any]:
 def captured_against_eager(path: str | Path, **engine_args: Any) -> Any:
     """Runs ``decode_workload`` with captured decode steps and with ``enforce_eager``: the tokens must be equal
     (a replay repeats the eager step's kernels, so the math is the same), and both engines preempted and hit the
-    prefix cache. Returns the captured engine's ``DecodeGraphs``: what replayed, what the tracer could not record,
-    and why capturing stopped, if it did."""
+    prefix cache. Returns the captured engine's ``DecodeGraphStats``: what replayed, what the tracer could not
+    record, and why capturing stopped, if it did."""
     from fw import LLM
 
     args = {"num_kv_blocks": 24, "block_size": 16, "max_model_len": 128, **engine_args}
@@ -397,15 +397,15 @@ def captured_against_eager(path: str | Path, **engine_args: Any) -> Any:
     for eager in (False, True):
         llm = LLM(str(path), enforce_eager=eager, **args)
         try:
-            runs.append((*decode_workload(llm), llm.llm_engine.executor.runner.graphs))
+            runs.append(decode_workload(llm))
         finally:
             llm.shutdown()
-    (tokens, stats, graphs), (eager_tokens, eager_stats, _) = runs
-    assert graphs is not None, "the engine captures no decode steps for this model"
+    (tokens, stats), (eager_tokens, eager_stats) = runs
+    assert stats.decode_graphs is not None, "the engine captures no decode steps for this model"
     for s in (stats, eager_stats):
         assert s.num_preemptions > 0 and s.prefix_cache_hits > 0, s
     assert tokens == eager_tokens
-    return graphs
+    return stats.decode_graphs
 
 
 class QuantConformance(PluginConformance):
@@ -486,11 +486,17 @@ class QuantConformance(PluginConformance):
         monkeypatch.setenv("FW_KERNELS", "dense.linear=torch,dense.logits=torch")
         dtypes = self._dtypes("cpu")
         dtype = torch.bfloat16 if torch.bfloat16 in dtypes else dtypes[0]  # a CPU's default for 16-bit checkpoints
+        uncaptured = None
         for fmt, (path, _config) in checkpoints.items():
             graphs = captured_against_eager(path, quant=self.plugin, dtype=str(dtype).removeprefix("torch."),
                                             plugin_options={"quant": self.options})
+            if graphs.off is not None and graphs.off.startswith("the attention backend"):
+                uncaptured = graphs.off  # not the plugin's doing: the tokens were still checked
+                continue
             assert graphs.off is None, f"{fmt}: capturing stopped: {graphs.off}"
             assert graphs.replayed.keys() >= {(1, 1), (3, 3)}, f"{fmt}: {graphs.replayed}, untraced {graphs.untraced}"
+        if uncaptured:
+            pytest.skip(f"no decode step was captured on this machine ({uncaptured}): only the tokens were checked")
 
     def test_linear_layers_match_the_dequantized_weights(self, checkpoints) -> None:
         device = self.device()

@@ -16,13 +16,32 @@ from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
 
 Q = GGMLQuantizationType
 
-# Stored as plain floats: decoded by a dtype view, no block structure.
-FLOAT_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+# Stored as plain floats, no block structure: (exponent bits, mantissa bits) of each.
+FLOAT_TYPES = {Q.F32: (8, 23), Q.F16: (5, 10), Q.BF16: (8, 7)}
+
+
+def _ieee(b: torch.Tensor, exponent: int, mantissa: int) -> torch.Tensor:
+    """[..., k * bytes] little-endian IEEE floats of ``exponent`` and ``mantissa`` bits -> [..., k] float32, exactly.
+
+    Arithmetic on the bits rather than a dtype view of the bytes, which ``torch.jit.trace`` cannot record (a
+    captured decode step, ``fw.decode_graph``, may run this)."""
+    width = (1 + exponent + mantissa) // 8
+    b = b.reshape(*b.shape[:-1], -1, width).long()
+    bits = b[..., 0]
+    for i in range(1, width):
+        bits = bits | (b[..., i] << (8 * i))
+    e, m = (bits >> mantissa) & ((1 << exponent) - 1), bits & ((1 << mantissa) - 1)
+    normal = e > 0  # subnormals: no implicit leading 1, the smallest exponent
+    scale = torch.where(normal, e, 1) - ((1 << (exponent - 1)) - 1) - mantissa
+    value = torch.ldexp(torch.where(normal, m | (1 << mantissa), m).float(), scale.float())
+    top = e == (1 << exponent) - 1  # infinities and NaNs
+    value = torch.where(top, torch.where(m == 0, float("inf"), float("nan")), value)
+    return torch.where((bits >> (exponent + mantissa)) == 1, -value, value)
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """[n, 2] bytes -> [n, 1] float32 (a block's fp16 scale)."""
-    return b.contiguous().view(torch.float16).float()
+    return _ieee(b, 5, 10)
 
 
 def _shifts(like: torch.Tensor, *amounts: int) -> torch.Tensor:
@@ -62,7 +81,7 @@ def _q5_1(b: torch.Tensor) -> torch.Tensor:
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return _f16(b[:, :2]) * b[:, 2:].view(torch.int8).float()
+    return _f16(b[:, :2]) * b[:, 2:].to(torch.int8).float()  # the conversion wraps, as a view would read
 
 
 def _crumbs(qs: torch.Tensor, width: int) -> torch.Tensor:
@@ -128,7 +147,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     low = (b[:, :128].reshape(n, 2, 1, 64) >> _shifts(b, 0, 4).view(1, 1, 2, 1)).reshape(n, 8, 32) & 0xF
     high = _crumbs(b[:, 128:192], 32).reshape(n, 8, 32)
     q = ((low | (high << 4)).float() - 32).reshape(n, 16, 16)
-    scales = b[:, 192:208].view(torch.int8).float()
+    scales = b[:, 192:208].to(torch.int8).float()
     return ((_f16(b[:, 208:210]) * scales).unsqueeze(-1) * q).reshape(n, QK_K)
 
 
@@ -159,7 +178,7 @@ def row_bytes(qtype: GGMLQuantizationType, n: int) -> int:
 def dequantize(data: torch.Tensor, qtype: GGMLQuantizationType, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint8 ``[..., row_bytes]`` blocks -> ``[..., weights per row]`` in ``dtype``."""
     if qtype in FLOAT_TYPES:
-        return data.contiguous().view(FLOAT_TYPES[qtype]).to(dtype)
+        return _ieee(data, *FLOAT_TYPES[qtype]).to(dtype)
     kernel = _KERNELS.get(qtype)
     if kernel is None:
         raise ValueError(f"cannot dequantize {qtype.name} (supported: {', '.join(t.name for t in SUPPORTED_TYPES)})")

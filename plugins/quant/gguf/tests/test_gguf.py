@@ -607,3 +607,23 @@ def test_activations_option_chooses_the_product(tiny, tmp_path, activations):
         assert 0 < (ours - exact).abs().max().item() < 0.05 * exact.abs().max().item()
     # float by default: int8 moves SmolLM2's logits by up to 1.4 (std 6.8) and loses its answer to the README's question.
     assert GGUFOptions().activations == "float"
+
+
+@pytest.mark.parametrize("qtype, dtype", [(Q.F16, torch.float16), (Q.BF16, torch.bfloat16), (Q.F32, torch.float32)])
+def test_float_tensors_decode_bit_exact_from_their_bytes(qtype, dtype):
+    """Every 16-bit pattern (subnormals, infinities and NaNs too), and float32 ones across every exponent: the
+    decoder's arithmetic reads what a dtype view of the bytes reads, which a traced decode step cannot hold."""
+    from fw_quant_gguf.dequant import dequantize
+
+    if dtype == torch.float32:
+        gen = torch.Generator().manual_seed(0)
+        bits = torch.randint(0, 1 << 23, (65536,), generator=gen, dtype=torch.int64)
+        bits = bits | (torch.arange(65536) % 512) << 23  # every exponent, both signs
+    else:
+        bits = torch.arange(65536)
+    width = dtype.itemsize
+    raw = torch.stack([(bits >> (8 * i)) & 255 for i in range(width)], dim=-1).to(torch.uint8).reshape(256, -1)
+    decoded, viewed = dequantize(raw, qtype), raw.view(dtype).float()
+    assert torch.equal(decoded.isnan(), viewed.isnan())
+    assert torch.equal(decoded.nan_to_num(), viewed.nan_to_num())
+    assert torch.equal(torch.signbit(decoded), torch.signbit(viewed))  # -0.0 stays negative
