@@ -20,11 +20,11 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from fw.testing.models import make_tiny_model
+from fw.testing.models import make_tiny_model, scratch_dir
 
 # Kernel choices (fw.sdk.kernels) are measured afresh for this run, in every process it starts, not read from or
 # written to the user's cache.
-os.environ["FW_KERNEL_CACHE"] = str(Path(tempfile.mkdtemp(prefix="fw-kernels-")) / "kernels.json")
+os.environ["FW_KERNEL_CACHE"] = str(scratch_dir("fw-kernels-") / "kernels.json")
 
 # Without a GPU, Triton kernels run in Triton's interpreter; it must be on before any kernel is decorated.
 if not torch.cuda.is_available():

@@ -9,7 +9,10 @@ drive the engine end to end with text.
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
+import tempfile
 from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
@@ -178,6 +181,14 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A fresh directory, removed when this process exits: for state a test process shares across modules (a
+    cached model, the kernel-choice cache), where pytest's per-test ``tmp_path`` is too short-lived."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def train_byte_level_bpe(texts: Iterable[str], vocab_size: int):

@@ -18,7 +18,7 @@ from fw.draft_runner import loader
 from fw.engine import EngineError
 from fw.interfaces import spec_proposer
 from fw.testing.conformance import SpecProposerConformance
-from fw.testing.models import make_tiny_model, train_byte_level_bpe
+from fw.testing.models import make_tiny_model, scratch_dir, train_byte_level_bpe
 from fw.testing.speculation import GREEDY_CASES, assert_same, check_greedy_exact, mixed_requests, run_all
 
 K = 3
@@ -26,9 +26,7 @@ K = 3
 
 @cache
 def _models() -> Path:
-    import tempfile
-
-    return Path(tempfile.mkdtemp(prefix="fw-draft-model-"))
+    return scratch_dir("fw-draft-model-")
 
 
 @pytest.fixture(scope="module")

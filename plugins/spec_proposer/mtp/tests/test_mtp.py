@@ -20,7 +20,7 @@ from fw.engine import EngineError
 from fw.interfaces import spec_proposer
 from fw.step_inputs import StepInputs
 from fw.testing.conformance import SpecProposerConformance
-from fw.testing.models import make_tiny_model
+from fw.testing.models import make_tiny_model, scratch_dir
 from fw.testing.speculation import GREEDY_CASES, assert_same, check_greedy_exact, mixed_requests, run_all
 
 ARCH = "DeepseekV3ForCausalLM"
@@ -52,9 +52,7 @@ def make_mtp_model(path: Path) -> Path:
 
 @cache
 def _model() -> str:
-    import tempfile
-
-    return str(make_mtp_model(Path(tempfile.mkdtemp(prefix="fw-mtp-")) / "deepseek"))
+    return str(make_mtp_model(scratch_dir("fw-mtp-") / "deepseek"))
 
 
 @pytest.fixture(scope="module")
