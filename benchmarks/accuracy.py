@@ -3,6 +3,7 @@
     python benchmarks/accuracy.py                            # the embedded default (SmolLM2 Q4_1 GGUF)
     python benchmarks/accuracy.py --random-model /tmp/acc-qwen2  # also a random bf16 Qwen2 (built if missing)
     python benchmarks/accuracy.py --random-model /tmp/acc-qwen2 --quant fp8 --quant int8 --quant int8:dynamic
+    python benchmarks/accuracy.py --random-model /tmp/acc-qwen2 --quant int8:dynamic,layers=lm_head  # int8 head only
 
 For each model, 56 fixed chat prompts are rendered with the model's chat template, then greedily continued
 for 32 tokens (end-of-sequence ignored, so every path is compared on all 32) by:
@@ -11,8 +12,10 @@ for 32 tokens (end-of-sequence ignored, so every path is compared on all 32) by:
   it to float32 itself: an implementation we did not write);
 - fw on each path: dtype bfloat16 and float32, native kernels on and off (``FW_NATIVE``), each in its own
   process because the choice is made once per process;
-- with ``--quant NAME[:ACTIVATIONS]``, fw in bf16 with that quant plugin quantizing the random model at load
-  (``quant.activations`` = ACTIVATIONS, e.g. ``int8:dynamic`` for W8A8);
+- with ``--quant NAME[:ACTIVATIONS][,OPTION=VALUE...]``, fw in bf16 with that quant plugin quantizing the random
+  model at load (``quant.activations`` = ACTIVATIONS, e.g. ``int8:dynamic`` for W8A8; other plugin options
+  after commas, e.g. ``fp8,lm_head=true`` for an FP8 head too, ``int8:dynamic,layers=lm_head`` for an int8 head
+  on an otherwise bf16 model);
 - llama.cpp on the same GGUF file, where ``peers/setup.sh llamacpp`` has installed it (not installed here
   by this script: it builds for 10-15 minutes).
 
@@ -67,8 +70,10 @@ def fw_worker(model: str | None, dtype: str, quant: str | None, out: Path) -> No
     """Greedy continuations and first-token log-probabilities of every prompt, on this process's fw path."""
     from fw import LLM, SamplingParams
 
-    name, _, activations = (quant or "auto").partition(":")
-    options = {"quant": {"activations": activations}} if activations else {}
+    plugin, *settings = (quant or "auto").split(",")
+    name, _, activations = plugin.partition(":")
+    options = dict(setting.split("=", 1) for setting in settings) | ({"activations": activations} if activations else {})
+    options = {"quant": options} if options else {}
     llm = LLM(model, dtype=dtype, quant=name, plugin_options=options, max_model_len=1024, max_num_seqs=len(PROMPTS))
     engine = llm.llm_engine
     first: dict[str, torch.Tensor] = {}
@@ -119,7 +124,10 @@ def llamacpp_worker(gguf: str, prompt_ids: list[list[int]], out: Path) -> None:
     import llama_cpp as ll
 
     ll.llama_backend_init()
-    model = ll.llama_model_load_from_file(gguf.encode(), ll.llama_model_default_params())
+    model_params = ll.llama_model_default_params()
+    # FW_LLAMACPP_EXTRA_BUFTS=0, as for peers/llamacpp_peer.py: without the AMX buffer, which segfaults on AMX VMs
+    model_params.use_extra_bufts = os.environ.get("FW_LLAMACPP_EXTRA_BUFTS", "1") != "0"
+    model = ll.llama_model_load_from_file(gguf.encode(), model_params)
     vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
     params = ll.llama_context_default_params()
     params.n_ctx = params.n_batch = 1024
@@ -199,7 +207,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--random-model", help="Also a random bf16 checkpoint; a missing directory gets a Qwen2-shaped "
                    "one (hidden 512, 8 layers) from fw.testing.models, small enough for a float32 reference.")
-    p.add_argument("--quant", action="append", default=[], metavar="NAME[:ACTIVATIONS]",
+    p.add_argument("--quant", action="append", default=[], metavar="NAME[:ACTIVATIONS][,OPTION=VALUE...]",
                    help="Also the random model quantized at load by this quant plugin (repeatable).")
     p.add_argument("--json", help="Write the results here as well.")
     p.add_argument("--worker", choices=["fw", "reference", "llamacpp"], help=argparse.SUPPRESS)

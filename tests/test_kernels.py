@@ -281,7 +281,9 @@ def _eight_bit_examples(op):
     gen = torch.Generator().manual_seed(0)
     element = E4M3 if op.name.startswith("fp8") else INT8
     for out_features, in_features in ((96, 64), (100, 200)):
-        weight, scale = quantize_rows(torch.randn(out_features, in_features, generator=gen), element)
+        # Weights of a model's scale (std 1/sqrt(K)): outputs of order 1, whose bf16 rounding the tolerance covers
+        weight, scale = quantize_rows(torch.randn(out_features, in_features, generator=gen) / in_features**0.5,
+                                      element)
         bias = torch.randn(out_features, generator=gen).bfloat16()
 
         def sample(rows, n=in_features):
@@ -408,6 +410,18 @@ def test_the_dense_candidates_this_cpu_runs(cache):
     amx = {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags and "fw-plain" in names and linux >= (5, 16)
     assert ("fw-amx" in names) == amx and ("fw-amx" in {c.name for c in dense.LOGITS.supported(key)}) == amx
     assert "fw-amx" not in {c.name for c in dense.LINEAR.supported((96, 48, "bfloat16"))}
+
+
+def test_the_gptq_wide_kernels_are_offered_where_the_cpu_has_avx512(cache):
+    """The GPTQ kernels in 512-bit vectors are candidates exactly where the build targets them: fw-avx512 (float
+    activations) with AVX-512, fw-vnni512 (int8 activations) with AVX-512 VNNI."""
+    flags = set(cpuinfo.read_text().split()) if (cpuinfo := Path("/proc/cpuinfo")).exists() else set()
+    for op_name, wide, needs in (("int.linear", "fw-avx512", {"avx512f"}),
+                                 ("int.linear.a8", "fw-vnni512", {"avx512_vnni", "avx512bw"})):
+        op = kernels.operations()[op_name]
+        weight = next(_int_examples(op))[0]
+        names = {c.name for c in op.supported(packed.key(weight, torch.bfloat16))}
+        assert (wide in names) == ("fw" in names and needs <= flags), op_name
 
 
 def test_fw_kernels_forces_the_attention_kernels_of_a_model(cache, monkeypatch, tmp_path):

@@ -14,9 +14,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 
 #include "fw_cpu.h"
@@ -93,22 +90,11 @@ void packed_product(const bf16* xp, int64_t M, int64_t K, const bf16* wp, const 
 // head over a batch) cost about what one does, and the float32 accumulators give the LM head its float32 logits.
 constexpr int64_t kAmxRows = 32, kAmxDepth = 32;  // rows of x per pass (two tiles), input features per tile
 
-bool amx_permitted() {  // Linux enables AMX's tile state per process on request (arch_prctl XCOMP_PERM)
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // ypad [Mp, N] float32 = xpad [Mp, K] . W^T; Mp a multiple of kAmxRows, K of kAmxDepth.
 void amx_product(const bf16* x, int64_t Mp, int64_t K, const bf16* w, float* y, int64_t N) {
   const int64_t blocks = N / kCols, block = K * kCols;  // elements per column block
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    TileConfig config;  // every tile 16 rows of 64 bytes: C 0-3, A 4-5, B 6-7
+    fw::TileConfig config;  // every tile 16 rows of 64 bytes: C 0-3, A 4-5, B 6-7
     for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
     _tile_loadconfig(&config);
     for (int64_t g = begin; g < end; ++g) {
@@ -148,7 +134,7 @@ void amx_product(const bf16* x, int64_t Mp, int64_t K, const bf16* w, float* y, 
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                       bool float_out) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  TORCH_CHECK(amx_permitted(), "fw_dense.amx_linear: the kernel did not grant AMX tiles to this process");
+  TORCH_CHECK(fw::amx_permitted(), "fw_dense.amx_linear: the kernel did not grant AMX tiles to this process");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bad x");
   TORCH_CHECK(weight.dim() == 4 && weight.size(2) == kCols && weight.size(3) == 2 && weight.is_contiguous(), "bad w");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0) * kCols;
@@ -169,7 +155,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::
 // Whether this build has `amx_linear` and the kernel lets this process use AMX tiles.
 bool amx_supported() {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  return amx_permitted();
+  return fw::amx_permitted();
 #else
   return false;
 #endif

@@ -7,7 +7,28 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace fw {
+
+#if defined(__AMX_TILE__)
+// Linux enables AMX's tile state per process on request (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, 5.16 and
+// later); a kernel that uses tiles asks first and says no where it is refused.
+inline bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+// The tile configuration _tile_loadconfig reads (palette 1): each tile's rows and bytes per row.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+#endif
 
 using bf16 = uint16_t;  // raw bits
 

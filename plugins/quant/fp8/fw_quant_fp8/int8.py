@@ -6,8 +6,9 @@
 - W8A8 (the checkpoint's ``input_activations``, or ``quant.activations=dynamic``): operation ``int8.linear.a8``.
   ``fw`` (``csrc/w8a8.cpp``, CPU) rounds each activation row to int8 as compressed-tensors does and multiplies in
   integers, widening the bytes to int16 pairs; ``fw-vnni`` (the same file, where the CPU has AVX-512 VNNI)
-  multiplies the bytes themselves, with each weight row's sum kept beside the weight (its layout); the two give
-  equal outputs. The other candidates are the weight-only ones on activations rounded by the reference formula
+  multiplies the bytes themselves, with each weight row's sum kept beside the weight (its layout); ``fw-amx``
+  (where the CPU has AMX-INT8 and Linux grants it) multiplies 16 weight rows by up to 32 activation rows a tile
+  instruction, reading the weight as it is (N a multiple of 16, K of 64); all three give equal outputs. The other candidates are the weight-only ones on activations rounded by the reference formula
   (through int8 and back), which every other device runs. Activation scales per group of input features, and block
   weight scales, round first and go through ``int8.linear``.
 """
@@ -26,9 +27,9 @@ from fw_quant_fp8.numerics import INT8
 _SOURCE = Path(__file__).parent / "csrc" / "w8a8.cpp"
 
 
-def _native(w: W8A8Rows, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _native(w: W8A8Rows, x: torch.Tensor, bias: torch.Tensor | None = None, kernel: str = "w8a8_gemv") -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
-    out = torch.ops.fw_quant_int8.w8a8_gemv(x.reshape(rows, x.shape[-1]), w.weight, w.scale, w.input_scale)
+    out = getattr(torch.ops.fw_quant_int8, kernel)(x.reshape(rows, x.shape[-1]), w.weight, w.scale, w.input_scale)
     out = out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
     return out if bias is None else out + bias
 
@@ -62,6 +63,9 @@ W8A8 = w8a8_product("int8.linear.a8", WEIGHT_ONLY, INT8, (
     kernels.Candidate("fw-vnni", _vnni, prepare=lambda w: _SummedRows(w, w.weight.sum(1, dtype=torch.int32)),
                       layout="row-sums", supports=lambda key: _native_supports(key)
                       and torch.ops.fw_quant_int8.has_vnni() and key[1] < 65536),
+    kernels.Candidate("fw-amx", lambda w, x, bias=None: _native(w, x, bias, "w8a8_gemm_amx"),
+                      supports=lambda key: _native_supports(key) and key[0] % 16 == 0 and key[1] % 64 == 0
+                      and key[1] < 65536 and torch.ops.fw_quant_int8.amx_supported()),
 ))
 
 

@@ -284,7 +284,8 @@ class Fp8Method(QuantMethod):
     def __init__(self, options: Any = None, quant_config: dict[str, Any] | None = None) -> None:
         super().__init__(options, quant_config)
         activations = options.activations if options is not None else "auto"
-        self.schemes = Schemes(self.quant_config, activations, self.element)
+        self.schemes = Schemes(self.quant_config, activations, self.element,
+                               options.layers if options is not None else "all")
 
     def product(self, w: QuantizedRows, scheme: Scheme, input_scale: torch.Tensor | None,
                 dtype: torch.dtype) -> Product:
@@ -299,7 +300,7 @@ class Fp8Method(QuantMethod):
         return lambda x, bias=None: selected(quantize_input(x, input_scale, group, self.element), bias)
 
     def get_logits_method(self, weight: torch.Tensor) -> Product | None:
-        if self.options is None or not self.options.lm_head:
+        if self.options is None or not (self.options.lm_head or self.options.layers == "lm_head"):
             return None
         rows = QuantizedRows(*quantize_rows(weight, self.element), None)
         if self.options.activations != "dynamic":  # weight-only, as the layers are unless every one rounds its input

@@ -51,9 +51,16 @@ class Scheme:
 class Schemes(ModuleSchemes[Scheme]):
     """Checkpoint module name -> its ``Scheme``, or None for a layer the checkpoint leaves unquantized."""
 
-    def __init__(self, quant_config: dict[str, Any], activations: str, element: Element = E4M3) -> None:
+    def __init__(self, quant_config: dict[str, Any], activations: str, element: Element = E4M3,
+                 layers: str = "all") -> None:
         super().__init__()
         method = quant_config.get("quant_method")
+        if quant_config and layers != "all":
+            raise ModelLoadError(f"quant.layers={layers}: the checkpoint is already quantized (quant_method "
+                                 f"{method!r}); the option chooses what a plain checkpoint has rounded at load")
+        if layers == "lm_head":  # every linear layer stays in float; the method rounds the head alone
+            self.groups, self.ignore = [], []
+            return
         if not quant_config:
             self.groups = [(["Linear"], Scheme("channel", "dynamic" if activations == "dynamic" else "none",
                                                online=True))]

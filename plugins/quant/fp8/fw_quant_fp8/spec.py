@@ -29,6 +29,12 @@ class Fp8Options(BaseModel):
         "lookup). Off by default, as in vLLM: the head's rounding moves the logits most, and it is the largest "
         "matrix of a small model, so on a CPU it is the largest saving.",
     )
+    layers: Literal["all", "lm_head"] = Field(
+        "all",
+        description="Which layers a plain checkpoint has rounded at load. all: every linear layer (and the LM head "
+        "where lm_head is true); lm_head: the LM head alone, the other layers staying in the model's dtype: an "
+        "8-bit head for a bf16 model. Checkpoints that are already quantized take only all.",
+    )
 
 
 SPEC = PluginSpec(

@@ -5,6 +5,8 @@ own forward), and the W8A8 kernel's integer rounding against compressed-tensors'
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from test_quant_fp8 import FUSED, ct_reference
 from conftest import assert_experts_match, assert_layers_match_modules, fw_greedy, hf_greedy, load_layers
 from fw import model_registry
 from fw.sdk.checkpoint import iter_safetensors
+from fw.sdk.errors import ModelLoadError
 from fw.testing.conformance import HooksConformance
 from fw.testing.models import make_tiny_model
 from fw_quant_fp8 import hooks as fp8_hooks
@@ -96,20 +99,24 @@ def test_w8a8_layers_run_integer_products_and_w8a16_widening_ones(ct_checkpoint)
         assert ops == {"int8.linear.a8" if w8a8 else "int8.linear"}, names
 
 
-def _native_candidate(name: str, width: int, dtype: torch.dtype):
+NATIVE_W8A8 = {"fw": "no C++ compiler for the native kernels", "fw-vnni": "this CPU has no AVX-512 VNNI",
+               "fw-amx": "this CPU has no AMX-INT8, or Linux does not grant it"}
+
+
+def _native_candidate(name: str, rows: int, width: int, dtype: torch.dtype):
     candidate = method.W8A8.candidates[name]
-    if not candidate.supports((1, width, None, str(dtype).removeprefix("torch."), "cpu")):
-        pytest.skip("no C++ compiler for the native kernels" if name == "fw" else "this CPU has no AVX-512 VNNI")
+    if not candidate.supports((rows, width, None, str(dtype).removeprefix("torch."), "cpu")):
+        pytest.skip(NATIVE_W8A8[name])
     return candidate
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["fw", "fw-vnni"])
-@pytest.mark.parametrize("width", [96, 101])  # 101: the vector loops' scalar and masked tails
+# 101: the vector loops' scalar and masked tails; AMX tiles take 64 input features at a time
+@pytest.mark.parametrize("name, width", [("fw", 96), ("fw", 101), ("fw-vnni", 96), ("fw-vnni", 101), ("fw-amx", 128)])
 def test_native_w8a8_rounds_activations_exactly_as_the_formula(dtype, name, width):
     """With an identity weight the product is the quantized activation itself: every integer the kernel rounded
     to, ties, clamps at -128 and the dtype's own division included, equals compressed-tensors' formula."""
-    candidate = _native_candidate(name, width, dtype)
+    candidate = _native_candidate(name, width, width, dtype)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, width, generator=gen)
     x[1, :8] = torch.tensor([-1.0, 1.0, 0.5, -0.5, 1.5 / 127.5, 2.5 / 127.5, -3.5 / 127.5, 0.0])  # ties
@@ -127,20 +134,23 @@ def test_native_w8a8_rounds_activations_exactly_as_the_formula(dtype, name, widt
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["fw", "fw-vnni"])
+@pytest.mark.parametrize("name", sorted(NATIVE_W8A8))
 def test_native_w8a8_products_are_the_exact_integer_dots(dtype, name):
     """Every output is sum(q w) in integers times the two scales, rounded once: weights at -128 and 127, rows of
-    1 to 9 activations (register groups), widths with a tail; both native kernels give these same floats."""
+    1 to 33 activations (register groups; AMX's groups of 16, in pairs), widths with a tail (those AMX takes);
+    every native kernel gives these same floats."""
+    candidate = _native_candidate(name, 48, 4864, dtype)
     for width in (64, 200, 4864):
-        candidate = _native_candidate(name, width, dtype)
+        if not candidate.supports((48, width, None, str(dtype).removeprefix("torch."), "cpu")):
+            continue
         gen = torch.Generator().manual_seed(width)
-        weight = torch.randint(-128, 128, (40, width), dtype=torch.int8, generator=gen)
+        weight = torch.randint(-128, 128, (48, width), dtype=torch.int8, generator=gen)
         weight[0, :4] = torch.tensor([-128, -128, 127, 127], dtype=torch.int8)
-        scale = torch.rand(40, 1, generator=gen) / 100
+        scale = torch.rand(48, 1, generator=gen) / 100
         for input_scale in (None, torch.tensor(0.02)):
             rows = method.W8A8Rows(weight, scale, None, input_scale)
             state = candidate.prepare(rows)
-            for m in (1, 3, 8, 9):
+            for m in (1, 3, 8, 9, 17, 33):
                 x = (torch.randn(m, width, generator=gen) * 3).to(dtype)
                 x_scale = (INT8.scale(x.abs().amax(-1, keepdim=True)) if input_scale is None
                            else input_scale.to(dtype).reshape(1, 1).expand(m, 1))
@@ -159,6 +169,12 @@ def test_the_vnni_candidate_runs_where_the_cpu_has_vnni():
     flags = set(cpuinfo.read_text().split()) if (cpuinfo := Path("/proc/cpuinfo")).exists() else set()
     assert method.W8A8.candidates["fw-vnni"].supports(key) == ({"avx512_vnni", "avx512bw"} <= flags)
     assert not method.W8A8.candidates["fw-vnni"].supports((64, 896, None, "float16", "cpu"))
+    # AMX-INT8 tiles where the CPU has them and Linux grants them (5.16 and later), on the shapes tiles take
+    linux = tuple(int(v) for v in re.match(r"(\d+)\.(\d+)", os.uname().release).groups())
+    amx = {"amx_tile", "amx_int8"} <= flags and linux >= (5, 16)
+    assert method.W8A8.candidates["fw-amx"].supports(key) == amx
+    assert not method.W8A8.candidates["fw-amx"].supports((64, 900, None, "bfloat16", "cpu"))
+    assert not method.W8A8.candidates["fw-amx"].supports((72, 896, None, "bfloat16", "cpu"))
 
 
 # --- online quantization of plain checkpoints -----------------------------------------------------------------
@@ -233,3 +249,31 @@ def test_lm_head_is_rounded_per_row_only_when_asked(plugin, activations, tied, t
         assert not hasattr(model.lm_head, "weight")
     tokens = fw_greedy(path, quant=plugin, plugin_options={"quant": {"lm_head": True, "activations": activations}})
     assert [len(t) for t in tokens] == [16, 16]
+
+
+@pytest.mark.parametrize("activations", ["auto", "dynamic"])
+def test_layers_lm_head_rounds_the_head_of_a_float_model_and_nothing_else(activations, plain, tmp_path):
+    """An opt-in 8-bit head for a bf16 model: ``quant.layers=lm_head`` rounds the head per row, as ``lm_head``
+    does, and leaves every other linear layer in the model's float weights."""
+    from fw_quant_fp8.numerics import quantize_rows
+
+    table = dict(iter_safetensors(plain))["lm_head.weight"]
+    model = load_layers(plain, int8_method(plain, layers="lm_head", activations=activations))
+    reference = load_layers(plain, Unquantized())
+    linears = [(name, layer) for name, layer in model.named_modules() if hasattr(layer, "linear_method")]
+    assert linears and not any(layer.weight.dtype == torch.int8 for _, layer in linears)
+    float_layers = dict(reference.named_modules())
+    for name, layer in linears:
+        assert torch.equal(layer.weight, float_layers[name].weight), name
+    hidden = torch.randn(3, table.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model.compute_logits(hidden)
+    inputs = hidden if activations == "auto" else quantize_input(hidden, None, None, INT8)
+    torch.testing.assert_close(logits, F.linear(inputs, dequantize(*quantize_rows(table, INT8), None, torch.float32)),
+                               rtol=1e-5, atol=1e-5)
+    tokens = fw_greedy(plain, quant="int8", plugin_options={"quant": {"layers": "lm_head", "activations": activations}})
+    assert [len(t) for t in tokens] == [16, 16]
+    # A checkpoint already quantized has no float layers to keep: the option is refused, naming itself
+    ct = writer.write_checkpoint(plain, tmp_path / "ct", weights="channel", activations=None, element=INT8)
+    with pytest.raises(ModelLoadError, match="quant.layers=lm_head"):
+        int8_method(ct, layers="lm_head")

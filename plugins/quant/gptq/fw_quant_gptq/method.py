@@ -9,6 +9,7 @@ become one product.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from fw.sdk.errors import ModelLoadError
 from fw.sdk.linear import UnquantizedLinearMethod
 from fw.sdk.moe import UnquantizedMoEMethod, run_experts
 from fw_quant_gptq.formats import Scheme, Schemes, decode, in_features
-from fw_quant_gptq.packed import Product, repack
+from fw_quant_gptq.packed import Product, repack, round_rows8
 
 
 def _leaves(scheme: Scheme, out: int, width: int) -> dict[str, tuple[tuple[int, ...], torch.dtype, int, int | None]]:
@@ -202,3 +203,9 @@ class IntMethod(QuantMethod):
         names = tuple(f"{spec.checkpoint_prefix}.{e}.{p}" for e in range(spec.num_experts) for p in spec.projections)
         scheme = self.schemes.common(names, spec.prefix)
         return UnquantizedMoEMethod() if scheme is None else IntMoEMethod(scheme, self.int8)
+
+    def get_logits_method(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        if self.options is None or not self.options.lm_head:
+            return None
+        product = Product(round_rows8(weight), torch.float32, self.int8)
+        return lambda hidden: product(hidden.float())

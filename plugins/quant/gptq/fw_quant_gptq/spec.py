@@ -19,6 +19,14 @@ class IntOptions(BaseModel):
         "int8: each block of 32 activation values is rounded to int8 with its own scale first, as llama.cpp "
         "does, and the CPU kernel multiplies integers: faster decoding, a rounding several times bf16's.",
     )
+    lm_head: bool = Field(
+        False,
+        description="Also round the LM head, which GPTQ and AWQ checkpoints leave in float, to 8 bits at load "
+        "(symmetric, a scale per 128 input features) and multiply it with this plugin's 8-bit product: float32 "
+        "logits, its activations rounded to int8 too where activations is int8; a tied embedding keeps its float "
+        "table for the lookup. Off by default, as in vLLM: the head's rounding moves the logits most, and on a CPU "
+        "it halves the largest matrix a small model reads every decode step.",
+    )
 
 
 SPEC = PluginSpec(

@@ -27,7 +27,7 @@ from fw.models.base import HFConfig, ModelContext
 from fw.models.moe import SparseMoeBlock
 from fw.sdk.checkpoint import iter_safetensors
 from fw.sdk.errors import ModelLoadError
-from fw.sdk.linear import int_blocks
+from fw.sdk.linear import int_block_rounded, int_blocks
 from fw.testing.conformance import HooksConformance
 from fw.testing.models import make_tiny_model
 from fw_attention_torch.backend import TorchAttention
@@ -466,3 +466,34 @@ def test_checkpoints_written_and_read_by_the_reference_tools(path):
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in outs] == [reference[f"greedy.{i}"].tolist() for i in range(2)]
+
+
+# --- the LM head, rounded to 8 bits only when asked ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("activations", ["none", "int8"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_lm_head_is_rounded_to_8_bits_only_when_asked(activations, tied, tmp_path):
+    plain = make_tiny_model("Qwen2ForCausalLM", tmp_path / "plain", tie_word_embeddings=tied)
+    path = intq.write_checkpoint(plain, tmp_path / "gptq")
+    config = model_registry.read_hf_config(str(path))["quantization_config"]
+    table = dict(iter_safetensors(plain))["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    assert load_layers(path, IntMethod(IntOptions(), config)).lm_head.quantized is None  # the default: float
+    model = load_layers(path, IntMethod(IntOptions(lm_head=True, activations=activations), config))
+    hidden = torch.randn(3, table.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    # Symmetric 8-bit in groups of 32 here (64 input features: not a multiple of 128).
+    groups = table.reshape(table.shape[0], -1, 32)
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    rounded = ((groups / scale).round() * scale).reshape(table.shape)
+    inputs = hidden if activations == "none" else int_block_rounded(hidden)
+    torch.testing.assert_close(logits, inputs @ rounded.T, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(logits, hidden @ table.T, rtol=1e-5, atol=1e-5)  # it really was rounded
+    if tied:  # the lookup still reads the float table
+        assert torch.equal(model.model.embed_tokens.weight, table)
+    else:  # the float head is gone: its memory is the point
+        assert not hasattr(model.lm_head, "weight")
+    tokens = fw_greedy(path, quant="gptq", plugin_options={"quant": {"lm_head": True, "activations": activations}})
+    assert [len(t) for t in tokens] == [16, 16]

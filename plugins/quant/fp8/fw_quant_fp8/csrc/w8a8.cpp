@@ -191,6 +191,112 @@ at::Tensor w8a8_gemv_vnni(const at::Tensor& x, const at::Tensor& weight, const a
 #endif
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+// W8A8 through AMX-INT8 tiles with the weight as it is: 16 weight rows x 64 input features, row-major K bytes
+// apart, are a left-hand tile, and the activations, rounded to int8, are laid out once per call as right-hand tiles
+// (16 rows of 4 input features x 16 activation rows: xt [groups][K / 4][16][4]). A tile multiply (tdpbssd, signed
+// bytes, no bias) then gives a 16 x 16 block of y transposed, [weight row][activation row]. So no copy of the
+// weight is kept for it, and several activation rows (batched decode, prefill) cost about what one does.
+constexpr int64_t kAmxDepth = 64, kAmxRows = 16;  // input features per tile multiply; activation rows per group
+
+// y [M, N] float32 = (x . W^T) * row_scale[m] * scale[n], from xt (ceil(M / 16) groups) and w int8 [N, K]; N a
+// multiple of 16, K of 64.
+void amx_w8a8(const int8_t* w, int64_t N, int64_t K, const int8_t* xt, int64_t M, const float* row_scale,
+              const float* scale, float* y) {
+  const int64_t blocks = N / 16, groups = (M + kAmxRows - 1) / kAmxRows, group_bytes = K * kAmxRows;
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    fw::TileConfig config;  // every tile 16 rows of 64 bytes: C 0-3, A 4-5 (weight rows), B 6-7 (activations)
+    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+    alignas(64) int32_t c[16][16];
+    // One C tile's [n][m] into y's rows m0.. and columns n0..: the same final rounding as the other kernels
+    auto put = [&](int tile, int64_t n0, int64_t m0) {
+      switch (tile) {
+        case 0: _tile_stored(0, c, 64); break;
+        case 1: _tile_stored(1, c, 64); break;
+        case 2: _tile_stored(2, c, 64); break;
+        default: _tile_stored(3, c, 64); break;
+      }
+      for (int64_t m = m0; m < std::min(M, m0 + kAmxRows); ++m)
+        for (int n = 0; n < 16; ++n) y[m * N + n0 + n] = float(c[n][m - m0]) * row_scale[m] * scale[n0 + n];
+    };
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t j = 2 * b;
+      const bool two = j + 1 < blocks;
+      const int8_t* w0 = w + j * 16 * K;
+      for (int64_t g = 0; g < groups; g += 2) {
+        const bool pair = g + 1 < groups;
+        const int8_t* x0 = xt + g * group_bytes;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t k = 0; k < K; k += kAmxDepth) {
+          _tile_loadd(4, w0 + k, K);
+          _tile_loadd(6, x0 + k * kAmxRows, 64);
+          _tile_dpbssd(0, 4, 6);
+          if (pair) {
+            _tile_loadd(7, x0 + group_bytes + k * kAmxRows, 64);
+            _tile_dpbssd(2, 4, 7);
+          }
+          if (two) {
+            _tile_loadd(5, w0 + 16 * K + k, K);
+            _tile_dpbssd(1, 5, 6);
+            if (pair) _tile_dpbssd(3, 5, 7);
+          }
+        }
+        put(0, j * 16, g * kAmxRows);
+        if (pair) put(2, j * 16, (g + 1) * kAmxRows);
+        if (two) {
+          put(1, (j + 1) * 16, g * kAmxRows);
+          if (pair) put(3, (j + 1) * 16, (g + 1) * kAmxRows);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+bool amx_supported() {
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+  return fw::amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// w8a8_gemv's product through AMX-INT8 tiles (amx_w8a8): the same rounding of x and the same integer dots, so the
+// same output bit for bit. N a multiple of 16, K of 64.
+at::Tensor w8a8_gemm_amx(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                         const c10::optional<at::Tensor>& input_scale) {
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+  TORCH_CHECK(fw::amx_permitted(), "w8a8_gemm_amx: the kernel did not grant AMX tiles to this process");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1), "x [M, K] and weight [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(), "weight must be contiguous int8");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0), "scale must be float32 [N, 1]");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(N % 16 == 0 && K % kAmxDepth == 0 && K < 65536, "AMX tiles take N a multiple of 16, K of 64");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const auto xf = x.to(at::kFloat).contiguous();
+  float static_scale = 0.f;
+  if (input_scale.has_value()) static_scale = input_scale->to(at::kFloat).item<float>();
+  const int64_t groups = (M + kAmxRows - 1) / kAmxRows;
+  std::vector<int8_t> q(K), xt(groups * K * kAmxRows, 0);
+  std::vector<float> row_scale(M);
+  for (int64_t m = 0; m < M; ++m) {
+    row_scale[m] = quantize_row<int8_t, 0>(xf.data_ptr<float>() + m * K, K, bf16,
+                                           input_scale.has_value() ? &static_scale : nullptr, q.data());
+    int8_t* dst = xt.data() + (m / kAmxRows) * K * kAmxRows + (m % kAmxRows) * 4;
+    for (int64_t k = 0; k < K; k += 4) std::memcpy(dst + k * kAmxRows, q.data() + k, 4);
+  }
+  auto y = at::empty({M, N}, xf.options());
+  amx_w8a8(weight.data_ptr<int8_t>(), N, K, xt.data(), M, row_scale.data(), scale.contiguous().data_ptr<float>(),
+           y.data_ptr<float>());
+  return y;
+#else
+  TORCH_CHECK(false, "w8a8_gemm_amx: built without AMX-INT8 (amx_supported() is false)");
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fw_quant_int8, m) {
@@ -199,4 +305,7 @@ TORCH_LIBRARY(fw_quant_int8, m) {
   m.def("w8a8_gemv_vnni(Tensor x, Tensor weight, Tensor scale, Tensor? input_scale, Tensor row_sums) -> Tensor");
   m.impl("w8a8_gemv_vnni", c10::DispatchKey::CPU, TORCH_FN(w8a8_gemv_vnni));
   m.def("has_vnni() -> bool", TORCH_FN(has_vnni));
+  m.def("w8a8_gemm_amx(Tensor x, Tensor weight, Tensor scale, Tensor? input_scale) -> Tensor");
+  m.impl("w8a8_gemm_amx", c10::DispatchKey::CPU, TORCH_FN(w8a8_gemm_amx));
+  m.def("amx_supported() -> bool", TORCH_FN(amx_supported));
 }

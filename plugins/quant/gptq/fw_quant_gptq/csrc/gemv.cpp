@@ -98,6 +98,54 @@ void dot_rows(const float* x, const float* gsum, const Rows& r, int bits, float*
     for (int i = 0; i < R; ++i) y[m * ldy + i] = fw::sum8(acc[m][i]) + row_offsets(r, i, gsum + m * r.groups, 0.f);
 }
 
+#if defined(__AVX512F__)
+// A block's 32 integers as floats, sixteen per vector (elements 0-15, 16-31).
+inline void block_floats(const uint8_t* q, int bits, __m512 v[2]) {
+  if (bits == 8) {
+    for (int k = 0; k < 2; ++k)
+      v[k] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * k))));
+    return;
+  }
+  const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), mask = _mm_set1_epi8(0x0f);
+  v[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(w, mask)));
+  v[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(w, 4), mask)));
+}
+
+// dot_rows in 512-bit vectors: half the conversions and multiply-adds a block (int_gemv_wide).
+template <int M, int R>
+void dot_rows_wide(const float* x, const float* gsum, const Rows& r, int bits, float* y, int64_t ldy, int64_t K) {
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < R; ++i) acc[m][i] = _mm512_setzero_ps();
+  const int64_t bb = bits * 4;
+  for (int64_t g = 0, b0 = 0; b0 < r.blocks; ++g, b0 += r.group_blocks) {
+    const int64_t b1 = std::min(r.blocks, b0 + r.group_blocks);
+    __m512 part[M][R];
+    for (int m = 0; m < M; ++m)
+      for (int i = 0; i < R; ++i) part[m][i] = _mm512_setzero_ps();
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int i = 0; i < R; ++i) {
+        if (b * bb % 64 < bb) fw::prefetch_ahead(r.q + i * r.stride + b * bb);  // once per cache line
+        __m512 v[2];
+        block_floats(r.q + i * r.stride + b * bb, bits, v);
+        for (int m = 0; m < M; ++m) {
+          const float* xb = x + m * K + b * kBlock;
+          part[m][i] = _mm512_fmadd_ps(v[0], _mm512_loadu_ps(xb), part[m][i]);
+          part[m][i] = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xb + 16), part[m][i]);
+        }
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m512 d = _mm512_set1_ps(r.scale[i * r.groups + g]);
+      for (int m = 0; m < M; ++m) acc[m][i] = _mm512_fmadd_ps(part[m][i], d, acc[m][i]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < R; ++i)
+      y[m * ldy + i] = _mm512_reduce_add_ps(acc[m][i]) + row_offsets(r, i, gsum + m * r.groups, 0.f);
+}
+#endif
+
 // With int8 activations (llama.cpp's way: each block of x as int8 times one scale dx) a block's integer dot
 // product is exact in int32, a few instructions for 32 weights: y += scale_g sum_b dx_b (xq_b . q_b), plus the
 // offsets times gsum = sum_b dx_b sum(xq_b) per group.
@@ -136,6 +184,66 @@ void dot_rows_a8(const int8_t* xq, const float* dx, const float* gsum, const Row
   for (int m = 0; m < M; ++m)
     for (int i = 0; i < R; ++i) y[m * ldy + i] = fw::sum8(acc[m][i]) + row_offsets(r, i, gsum + m * r.groups, shift);
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// Two blocks' 64 integers as unsigned bytes in element order: 4-bit nibbles as they are, 8-bit as q itself (the
+// unsigned operand of vpdpbusd, so no sign trick and no shift). One block (`pair` false) fills the low half.
+inline __m512i block_pair_bytes(const uint8_t* q, int bits, bool pair) {
+  if (bits == 8)
+    return pair ? _mm512_loadu_si512(q) : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+  if (!pair) return _mm512_zextsi256_si512(block_bytes(q, 4));
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), mask = _mm256_set1_epi8(0x0f);
+  const __m512i lohi = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(w, mask)),
+                                          _mm256_and_si256(_mm256_srli_epi16(w, 4), mask), 1);
+  // [lo0 lo1 hi0 hi1] (128-bit lanes) -> [lo0 hi0 lo1 hi1]: each block's elements 0-15, then 16-31
+  return _mm512_shuffle_i64x2(lohi, lohi, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+// dot_rows_a8 two blocks at a time in 512-bit vpdpbusd (AVX-512 VNNI: 64 byte products an instruction, against
+// maddubs' 32 and a second multiply-add), for int_gemv_a8_wide: the low eight int32 sums are the first block's,
+// the high eight the second's, each times its own activation scale.
+template <int M, int R>
+void dot_rows_a8_wide(const int8_t* xq, const float* dx, const float* gsum, const Rows& r, int bits, float* y,
+                      int64_t ldy, int64_t K) {
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < R; ++i) acc[m][i] = _mm512_setzero_ps();
+  const int64_t bb = bits * 4;
+  for (int64_t g = 0, b0 = 0; b0 < r.blocks; ++g, b0 += r.group_blocks) {
+    const int64_t b1 = std::min(r.blocks, b0 + r.group_blocks);
+    __m512 part[M][R];
+    for (int m = 0; m < M; ++m)
+      for (int i = 0; i < R; ++i) part[m][i] = _mm512_setzero_ps();
+    for (int64_t b = b0; b < b1; b += 2) {
+      const bool pair = b + 1 < b1;
+      __m512i xb[M];
+      __m512 d[M];
+      for (int m = 0; m < M; ++m) {
+        const int8_t* xm = xq + m * K + b * kBlock;
+        const float* dm = dx + m * r.blocks + b;
+        xb[m] = pair ? _mm512_loadu_si512(xm) : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm)));
+        d[m] = pair ? _mm512_insertf32x8(_mm512_set1_ps(dm[0]), _mm256_set1_ps(dm[1]), 1)
+                    : _mm512_zextps256_ps512(_mm256_set1_ps(dm[0]));
+      }
+      for (int i = 0; i < R; ++i) {
+        const uint8_t* blk = r.q + i * r.stride + b * bb;
+        if (b * bb % 64 < 2 * bb) fw::prefetch_ahead(blk);  // once per cache line
+        const __m512i w = block_pair_bytes(blk, bits, pair);
+        for (int m = 0; m < M; ++m)
+          part[m][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xb[m])), d[m],
+                                       part[m][i]);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const __m512 s = _mm512_set1_ps(r.scale[i * r.groups + g]);
+      for (int m = 0; m < M; ++m) acc[m][i] = _mm512_fmadd_ps(part[m][i], s, acc[m][i]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < R; ++i)
+      y[m * ldy + i] = _mm512_reduce_add_ps(acc[m][i]) + row_offsets(r, i, gsum + m * r.groups, 0.f);
+}
+#endif
 #else
 // Without AVX2: the same sums, one weight at a time. A8: the activations are int8 blocks (xq, scales dx) and 8-bit
 // weights go in as q - 128, as in the vector kernel.
@@ -203,9 +311,36 @@ void check_weight(const at::Tensor& q, const at::Tensor& scale, const at::Tensor
               "scale and offset must be float32 [N, ceil(K / group)]");
 }
 
+// The float kernels of one width: `one` output row at a time, or `many` (rows_for(M)).
+template <bool Wide>
+struct Kernels {
+  template <int M>
+  static void one(const float* x, const float* gsum, const Rows& r, int bits, float* y, int64_t ldy, int64_t K) {
+    dot_rows<M, 1>(x, gsum, r, bits, y, ldy, K);
+  }
+  template <int M>
+  static void many(const float* x, const float* gsum, const Rows& r, int bits, float* y, int64_t ldy, int64_t K) {
+    dot_rows<M, rows_for(M)>(x, gsum, r, bits, y, ldy, K);
+  }
+};
+#if defined(__AVX512F__)
+template <>
+struct Kernels<true> {
+  template <int M>
+  static void one(const float* x, const float* gsum, const Rows& r, int bits, float* y, int64_t ldy, int64_t K) {
+    dot_rows_wide<M, 1>(x, gsum, r, bits, y, ldy, K);
+  }
+  template <int M>
+  static void many(const float* x, const float* gsum, const Rows& r, int bits, float* y, int64_t ldy, int64_t K) {
+    dot_rows_wide<M, rows_for(M)>(x, gsum, r, bits, y, ldy, K);
+  }
+};
+#endif
+
 // x [M, K] (K a multiple of 32), q uint8 [N, K * bits / 8], scale and offset float32 [N, groups] with
 // `group` (a multiple of 32) input features each. Returns x.dtype [M, N].
-at::Tensor int_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
+template <bool Wide>
+at::Tensor int_gemv_impl(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
                     int64_t bits, int64_t group) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, K]");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = scale.size(1), blocks = K / kBlock;
@@ -218,11 +353,20 @@ at::Tensor int_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
     for (int64_t k = 0; k < K; ++k) gp[m * G + k / group] += xp[m * K + k];
   auto y = at::empty({M, N}, xf.options());
   using Fn = void (*)(const float*, const float*, const Rows&, int, float*, int64_t, int64_t);
-  static constexpr Fn kOne[kMaxRows] = {dot_rows<1, 1>, dot_rows<2, 1>, dot_rows<3, 1>, dot_rows<4, 1>,
-                                        dot_rows<5, 1>, dot_rows<6, 1>, dot_rows<7, 1>, dot_rows<8, 1>};
-  static constexpr Fn kMany[kMaxRows] = {dot_rows<1, rows_for(1)>, dot_rows<2, rows_for(2)>, dot_rows<3, 1>,
-                                         dot_rows<4, 1>, dot_rows<5, 1>, dot_rows<6, 1>, dot_rows<7, 1>,
-                                         dot_rows<8, 1>};
+#if defined(__AVX512F__)
+  static constexpr bool kWide = Wide;
+#else
+  static constexpr bool kWide = false;
+  TORCH_CHECK(!Wide, "int_gemv_wide: built without AVX-512 (has_wide() is false)");
+#endif
+  static constexpr Fn kOne[kMaxRows] = {Kernels<kWide>::template one<1>, Kernels<kWide>::template one<2>,
+                                        Kernels<kWide>::template one<3>, Kernels<kWide>::template one<4>,
+                                        Kernels<kWide>::template one<5>, Kernels<kWide>::template one<6>,
+                                        Kernels<kWide>::template one<7>, Kernels<kWide>::template one<8>};
+  static constexpr Fn kMany[kMaxRows] = {Kernels<kWide>::template many<1>, Kernels<kWide>::template many<2>,
+                                         Kernels<kWide>::template one<3>, Kernels<kWide>::template one<4>,
+                                         Kernels<kWide>::template one<5>, Kernels<kWide>::template one<6>,
+                                         Kernels<kWide>::template one<7>, Kernels<kWide>::template one<8>};
   float* yp = y.data_ptr<float>();
   tiles(M, N, [&](int64_t m, int rows, int64_t n, bool many) {
     const Rows r{q.data_ptr<uint8_t>() + n * q.size(1), scale.data_ptr<float>() + n * G,
@@ -232,10 +376,56 @@ at::Tensor int_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& 
   return y.to(x.scalar_type());
 }
 
+at::Tensor int_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
+                    int64_t bits, int64_t group) {
+  return int_gemv_impl<false>(x, q, scale, offset, bits, group);
+}
+
+// int_gemv in 512-bit vectors where the build has AVX-512: a candidate of its own, since a 512-bit kernel that
+// wins on one CPU may lose on another.
+at::Tensor int_gemv_wide(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
+                         int64_t bits, int64_t group) {
+  return int_gemv_impl<true>(x, q, scale, offset, bits, group);
+}
+
+bool has_wide() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// The int8-activation kernel of one width (dot_rows_a8, or dot_rows_a8_wide where the build has AVX-512 VNNI).
+template <bool Wide>
+struct KernelsA8 {
+  template <int M, int R>
+  static void run(const int8_t* xq, const float* dx, const float* gsum, const Rows& r, int bits, float* y,
+                  int64_t ldy, int64_t K) {
+    dot_rows_a8<M, R>(xq, dx, gsum, r, bits, y, ldy, K);
+  }
+};
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kHasWideA8 = true;
+template <>
+struct KernelsA8<true> {
+  template <int M, int R>
+  static void run(const int8_t* xq, const float* dx, const float* gsum, const Rows& r, int bits, float* y,
+                  int64_t ldy, int64_t K) {
+    dot_rows_a8_wide<M, R>(xq, dx, gsum, r, bits, y, ldy, K);
+  }
+};
+#else
+constexpr bool kHasWideA8 = false;
+#endif
+
 // As int_gemv, with x rounded to int8 blocks first: each block of 32 values times dx = absmax / 127, the
 // integers rounded half to even (fw.layers.linear.int_blocks is the same rounding in torch).
-at::Tensor int_gemv_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
-                       int64_t bits, int64_t group) {
+template <bool Wide>
+at::Tensor int_gemv_a8_impl(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                            const at::Tensor& offset, int64_t bits, int64_t group) {
+  TORCH_CHECK(!Wide || kHasWideA8, "int_gemv_a8_wide: built without AVX-512 VNNI (has_wide_a8() is false)");
+  using A8 = KernelsA8<Wide && kHasWideA8>;
   TORCH_CHECK(x.dim() == 2, "x must be [rows, K]");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = scale.size(1), blocks = K / kBlock;
   check_weight(q, scale, offset, K, bits, group);
@@ -262,11 +452,12 @@ at::Tensor int_gemv_a8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   }
   auto y = at::empty({M, N}, xf.options());
   using Fn = void (*)(const int8_t*, const float*, const float*, const Rows&, int, float*, int64_t, int64_t);
-  static constexpr Fn kOne[kMaxRows] = {dot_rows_a8<1, 1>, dot_rows_a8<2, 1>, dot_rows_a8<3, 1>, dot_rows_a8<4, 1>,
-                                        dot_rows_a8<5, 1>, dot_rows_a8<6, 1>, dot_rows_a8<7, 1>, dot_rows_a8<8, 1>};
-  static constexpr Fn kMany[kMaxRows] = {dot_rows_a8<1, rows_for(1)>, dot_rows_a8<2, rows_for(2)>, dot_rows_a8<3, 1>,
-                                         dot_rows_a8<4, 1>, dot_rows_a8<5, 1>, dot_rows_a8<6, 1>, dot_rows_a8<7, 1>,
-                                         dot_rows_a8<8, 1>};
+  static constexpr Fn kOne[kMaxRows] = {A8::template run<1, 1>, A8::template run<2, 1>, A8::template run<3, 1>,
+                                        A8::template run<4, 1>, A8::template run<5, 1>, A8::template run<6, 1>,
+                                        A8::template run<7, 1>, A8::template run<8, 1>};
+  static constexpr Fn kMany[kMaxRows] = {A8::template run<1, rows_for(1)>, A8::template run<2, rows_for(2)>,
+                                         A8::template run<3, 1>, A8::template run<4, 1>, A8::template run<5, 1>,
+                                         A8::template run<6, 1>, A8::template run<7, 1>, A8::template run<8, 1>};
   float* yp = y.data_ptr<float>();
   tiles(M, N, [&](int64_t m, int rows, int64_t n, bool many) {
     const Rows r{q.data_ptr<uint8_t>() + n * q.size(1), scale.data_ptr<float>() + n * G,
@@ -277,6 +468,19 @@ at::Tensor int_gemv_a8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   return y.to(x.scalar_type());
 }
 
+at::Tensor int_gemv_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
+                       int64_t bits, int64_t group) {
+  return int_gemv_a8_impl<false>(x, q, scale, offset, bits, group);
+}
+
+// int_gemv_a8 in 512-bit VNNI products where the build has them: its own candidate, as int_gemv_wide is.
+at::Tensor int_gemv_a8_wide(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                            const at::Tensor& offset, int64_t bits, int64_t group) {
+  return int_gemv_a8_impl<true>(x, q, scale, offset, bits, group);
+}
+
+bool has_wide_a8() { return kHasWideA8; }
+
 }  // namespace
 
 TORCH_LIBRARY(fw_quant_gptq, m) {
@@ -284,4 +488,10 @@ TORCH_LIBRARY(fw_quant_gptq, m) {
   m.impl("int_gemv", c10::DispatchKey::CPU, TORCH_FN(int_gemv));
   m.def("int_gemv_a8(Tensor x, Tensor q, Tensor scale, Tensor offset, int bits, int group) -> Tensor");
   m.impl("int_gemv_a8", c10::DispatchKey::CPU, TORCH_FN(int_gemv_a8));
+  m.def("int_gemv_wide(Tensor x, Tensor q, Tensor scale, Tensor offset, int bits, int group) -> Tensor");
+  m.impl("int_gemv_wide", c10::DispatchKey::CPU, TORCH_FN(int_gemv_wide));
+  m.def("has_wide() -> bool", TORCH_FN(has_wide));
+  m.def("int_gemv_a8_wide(Tensor x, Tensor q, Tensor scale, Tensor offset, int bits, int group) -> Tensor");
+  m.impl("int_gemv_a8_wide", c10::DispatchKey::CPU, TORCH_FN(int_gemv_a8_wide));
+  m.def("has_wide_a8() -> bool", TORCH_FN(has_wide_a8));
 }
