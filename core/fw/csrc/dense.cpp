@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "fw_cpu.h"
 
@@ -90,38 +91,57 @@ void packed_product(const bf16* xp, int64_t M, int64_t K, const bf16* wp, const 
 // head over a batch) cost about what one does, and the float32 accumulators give the LM head its float32 logits.
 constexpr int64_t kAmxRows = 32, kAmxDepth = 32;  // rows of x per pass (two tiles), input features per tile
 
-// ypad [Mp, N] float32 = xpad [Mp, K] . W^T; Mp a multiple of kAmxRows, K of kAmxDepth.
-void amx_product(const bf16* x, int64_t Mp, int64_t K, const bf16* w, float* y, int64_t N) {
+// y [M, N] = xpad [Mp, K] . W^T (+ bias), Out float32 or bf16; Mp a multiple of kAmxRows, K of kAmxDepth. Each
+// 16 x 16 float32 accumulator tile goes through a 1 KiB buffer into y, rounded there: a float32 copy of y and a
+// second pass over it cost more than the tile products themselves at prefill sizes (2048 x 9728: 80 MB).
+template <typename Out>
+void amx_product(const bf16* x, int64_t M, int64_t Mp, int64_t K, const bf16* w, const float* bias, Out* y,
+                 int64_t N) {
   const int64_t blocks = N / kCols, block = K * kCols;  // elements per column block
+  // Column-block pairs whose weights (4 * block bytes a pair) fit in 1 MiB of L2 go together, so that a group of
+  // x's rows is read from L2 once per group of pairs, not once per pair.
+  const int64_t group = std::max<int64_t>(1, (int64_t(1) << 20) / (4 * block));
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     fw::TileConfig config;  // every tile 16 rows of 64 bytes: C 0-3, A 4-5, B 6-7
     for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
     _tile_loadconfig(&config);
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t j = 2 * g;
-      const bool two = j + 1 < blocks;
-      const bf16* w0 = w + j * block;
+    alignas(64) float buf[16 * kCols];
+    auto put = [&](int64_t row0, int64_t col0) {  // buf's rows into y (those below M), with the bias
+      const __m512 b = bias ? _mm512_loadu_ps(bias + col0) : _mm512_setzero_ps();
+      for (int64_t r = 0; r < 16 && row0 + r < M; ++r) {
+        const __m512 v = _mm512_add_ps(_mm512_load_ps(buf + r * kCols), b);
+        if constexpr (std::is_same_v<Out, float>) _mm512_storeu_ps(y + (row0 + r) * N + col0, v);
+        else fw::store_bf16x16(y + (row0 + r) * N + col0, fw::round_bf16x16(v));
+      }
+    };
+    for (int64_t g0 = begin; g0 < end; g0 += group) {
+      const int64_t g1 = std::min(end, g0 + group);
       for (int64_t m = 0; m < Mp; m += kAmxRows) {
-        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         const bf16* xm = x + m * K;
-        for (int64_t k = 0; k < K; k += kAmxDepth) {
-          _tile_loadd(4, xm + k, K * 2);
-          _tile_loadd(5, xm + 16 * K + k, K * 2);
-          _tile_loadd(6, w0 + k * kCols, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(2, 5, 6);
-          if (two) {
-            _tile_loadd(7, w0 + block + k * kCols, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t j = 2 * g;
+          const bool two = j + 1 < blocks;
+          const bf16* w0 = w + j * block;
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+          for (int64_t k = 0; k < K; k += kAmxDepth) {
+            _tile_loadd(4, xm + k, K * 2);
+            _tile_loadd(5, xm + 16 * K + k, K * 2);
+            _tile_loadd(6, w0 + k * kCols, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) {
+              _tile_loadd(7, w0 + block + k * kCols, 64);
+              _tile_dpbf16ps(1, 4, 7);
+              _tile_dpbf16ps(3, 5, 7);
+            }
           }
-        }
-        float* ym = y + m * N + j * kCols;
-        _tile_stored(0, ym, N * 4);
-        _tile_stored(2, ym + 16 * N, N * 4);
-        if (two) {
-          _tile_stored(1, ym + kCols, N * 4);
-          _tile_stored(3, ym + 16 * N + kCols, N * 4);
+          const int64_t col = j * kCols;
+          _tile_stored(0, buf, 64); put(m, col);
+          _tile_stored(2, buf, 64); put(m + 16, col);
+          if (two) {
+            _tile_stored(1, buf, 64); put(m, col + kCols);
+            _tile_stored(3, buf, 64); put(m + 16, col + kCols);
+          }
         }
       }
     }
@@ -141,12 +161,15 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::
   TORCH_CHECK(weight.size(1) * 2 == K && K % kAmxDepth == 0, "weight and x disagree, or K is not a multiple of 32");
   const int64_t Mp = (M + kAmxRows - 1) / kAmxRows * kAmxRows;
   auto xp = Mp == M ? x.contiguous() : at::constant_pad_nd(x, {0, 0, 0, Mp - M});
-  auto y = at::empty({Mp, N}, x.options().dtype(at::kFloat));
-  amx_product(reinterpret_cast<const bf16*>(xp.data_ptr()), Mp, K, reinterpret_cast<const bf16*>(weight.data_ptr()),
-              y.data_ptr<float>(), N);
-  auto out = Mp == M ? y : y.narrow(0, 0, M);
-  if (bias.has_value()) out = out + bias->to(at::kFloat);
-  return float_out ? out.contiguous() : out.to(at::kBFloat16);
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
+  const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const bf16* xb = reinterpret_cast<const bf16*>(xp.data_ptr());
+  const bf16* wb = reinterpret_cast<const bf16*>(weight.data_ptr());
+  auto y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (float_out) amx_product(xb, M, Mp, K, wb, bp, y.data_ptr<float>(), N);
+  else amx_product(xb, M, Mp, K, wb, bp, reinterpret_cast<bf16*>(y.data_ptr()), N);
+  return y;
 #else
   TORCH_CHECK(false, "fw_dense.amx_linear needs AMX-BF16");
 #endif
