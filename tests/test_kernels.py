@@ -412,6 +412,23 @@ def test_the_dense_candidates_this_cpu_runs(cache):
     assert "fw-amx" not in {c.name for c in dense.LINEAR.supported((96, 48, "bfloat16"))}
 
 
+
+@pytest.mark.parametrize("rows", [40, 1100])
+def test_fw_amx_over_several_groups_of_columns(cache, rows):
+    """fw-amx walks the columns in L2-sized groups of block pairs (smaller groups below 1024 rows), pads the rows
+    to 32 and leaves out the second block of a last, odd pair: the examples above fit one group."""
+    candidate = dense.LINEAR.candidates["fw-amx"]
+    out_features, in_features = 560, 1024  # 35 blocks of 16 columns: several groups of pairs at either size
+    if not candidate.supports((out_features, in_features, "bfloat16")):
+        pytest.skip("fw-amx needs AMX-BF16 tiles, which this CPU or kernel does not grant")
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    out = candidate.run(candidate.prepare(weight), x, bias)
+    ref = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=1e-2)
+
 def test_the_gptq_wide_kernels_are_offered_where_the_cpu_has_avx512(cache):
     """The GPTQ kernels in 512-bit vectors are candidates exactly where the build targets them: fw-avx512 (float
     activations) with AVX-512, fw-vnni512 (int8 activations) with AVX-512 VNNI."""

@@ -71,8 +71,10 @@ class ModelRunner:
         self.bytes_per_block = sum(spec.bytes_per_block for spec in self.kv_cache_specs)
         # Every rank allocates the same block ids the scheduler hands out: the smallest rank's count.
         self.num_blocks = distributed.min_over_ranks(self._num_blocks())
+        # Zeroed, not empty: writing every page now (about 0.2 s a GiB on a CPU) keeps first-touch page faults out
+        # of the prompts' prefill, where they cost a 128-token prompt about 6 ms (store_kv, 24 layers).
         self.kv_caches = [
-            torch.empty(spec.shape(self.num_blocks), dtype=spec.dtype, device=device) for spec in self.kv_cache_specs
+            torch.zeros(spec.shape(self.num_blocks), dtype=spec.dtype, device=device) for spec in self.kv_cache_specs
         ]
         # A pipeline stage holds a contiguous run of layers, whose attention finds its cache by layer number.
         self.layer_caches = [None] * self.model.attention_specs()[0].layer_idx + self.kv_caches

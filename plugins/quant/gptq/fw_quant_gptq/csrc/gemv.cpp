@@ -62,40 +62,55 @@ inline __m256i block_bytes(const uint8_t* q, int bits) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
 }
 
+// The float kernel's vector width: eight lanes (AVX2), a 32-weight block in four vectors.
+struct Avx2 {
+  using V = __m256;
+  static constexpr int kParts = 4, kLanes = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static float sum(V v) { return fw::sum8(v); }
+  static void block(const uint8_t* q, int bits, V v[kParts]) { block_floats(q, bits, v); }
+};
+
 // Per group: the blocks' dot products accumulate unscaled, then one multiply by the group's scale; the offsets
-// need only the activations' per-group sums (gsum [M, groups]), added once per row at the end.
-template <int M, int R>
-void dot_rows(const float* x, const float* gsum, const Rows& r, int bits, float* y, int64_t ldy, int64_t K) {
-  __m256 acc[M][R];
+// need only the activations' per-group sums (gsum [M, groups]), added once per row at the end. S: the width.
+template <typename S, int M, int R>
+void dot_rows_float(const float* x, const float* gsum, const Rows& r, int bits, float* y, int64_t ldy, int64_t K) {
+  using V = typename S::V;
+  V acc[M][R];
   for (int m = 0; m < M; ++m)
-    for (int i = 0; i < R; ++i) acc[m][i] = _mm256_setzero_ps();
+    for (int i = 0; i < R; ++i) acc[m][i] = S::zero();
   const int64_t bb = bits * 4;
   for (int64_t g = 0, b0 = 0; b0 < r.blocks; ++g, b0 += r.group_blocks) {
     const int64_t b1 = std::min(r.blocks, b0 + r.group_blocks);
-    __m256 part[M][R];
+    V part[M][R];
     for (int m = 0; m < M; ++m)
-      for (int i = 0; i < R; ++i) part[m][i] = _mm256_setzero_ps();
+      for (int i = 0; i < R; ++i) part[m][i] = S::zero();
     for (int64_t b = b0; b < b1; ++b) {
       for (int i = 0; i < R; ++i) {
         if (b * bb % 64 < bb) fw::prefetch_ahead(r.q + i * r.stride + b * bb);  // once per cache line
-        __m256 v[4];
-        block_floats(r.q + i * r.stride + b * bb, bits, v);
+        V v[S::kParts];
+        S::block(r.q + i * r.stride + b * bb, bits, v);
         for (int m = 0; m < M; ++m) {
           const float* xb = x + m * K + b * kBlock;
-          part[m][i] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xb), part[m][i]);
-          part[m][i] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), part[m][i]);
-          part[m][i] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), part[m][i]);
-          part[m][i] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), part[m][i]);
+          for (int k = 0; k < S::kParts; ++k) part[m][i] = S::fmadd(v[k], S::load(xb + k * S::kLanes), part[m][i]);
         }
       }
     }
     for (int i = 0; i < R; ++i) {
-      const __m256 d = _mm256_broadcast_ss(r.scale + i * r.groups + g);
-      for (int m = 0; m < M; ++m) acc[m][i] = _mm256_fmadd_ps(part[m][i], d, acc[m][i]);
+      const V d = S::broadcast(r.scale + i * r.groups + g);
+      for (int m = 0; m < M; ++m) acc[m][i] = S::fmadd(part[m][i], d, acc[m][i]);
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int i = 0; i < R; ++i) y[m * ldy + i] = fw::sum8(acc[m][i]) + row_offsets(r, i, gsum + m * r.groups, 0.f);
+    for (int i = 0; i < R; ++i) y[m * ldy + i] = S::sum(acc[m][i]) + row_offsets(r, i, gsum + m * r.groups, 0.f);
+}
+
+template <int M, int R>
+void dot_rows(const float* x, const float* gsum, const Rows& r, int bits, float* y, int64_t ldy, int64_t K) {
+  dot_rows_float<Avx2, M, R>(x, gsum, r, bits, y, ldy, K);
 }
 
 #if defined(__AVX512F__)
@@ -111,39 +126,17 @@ inline void block_floats(const uint8_t* q, int bits, __m512 v[2]) {
   v[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(w, 4), mask)));
 }
 
-// dot_rows in 512-bit vectors: half the conversions and multiply-adds a block (int_gemv_wide).
-template <int M, int R>
-void dot_rows_wide(const float* x, const float* gsum, const Rows& r, int bits, float* y, int64_t ldy, int64_t K) {
-  __m512 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int i = 0; i < R; ++i) acc[m][i] = _mm512_setzero_ps();
-  const int64_t bb = bits * 4;
-  for (int64_t g = 0, b0 = 0; b0 < r.blocks; ++g, b0 += r.group_blocks) {
-    const int64_t b1 = std::min(r.blocks, b0 + r.group_blocks);
-    __m512 part[M][R];
-    for (int m = 0; m < M; ++m)
-      for (int i = 0; i < R; ++i) part[m][i] = _mm512_setzero_ps();
-    for (int64_t b = b0; b < b1; ++b) {
-      for (int i = 0; i < R; ++i) {
-        if (b * bb % 64 < bb) fw::prefetch_ahead(r.q + i * r.stride + b * bb);  // once per cache line
-        __m512 v[2];
-        block_floats(r.q + i * r.stride + b * bb, bits, v);
-        for (int m = 0; m < M; ++m) {
-          const float* xb = x + m * K + b * kBlock;
-          part[m][i] = _mm512_fmadd_ps(v[0], _mm512_loadu_ps(xb), part[m][i]);
-          part[m][i] = _mm512_fmadd_ps(v[1], _mm512_loadu_ps(xb + 16), part[m][i]);
-        }
-      }
-    }
-    for (int i = 0; i < R; ++i) {
-      const __m512 d = _mm512_set1_ps(r.scale[i * r.groups + g]);
-      for (int m = 0; m < M; ++m) acc[m][i] = _mm512_fmadd_ps(part[m][i], d, acc[m][i]);
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int i = 0; i < R; ++i)
-      y[m * ldy + i] = _mm512_reduce_add_ps(acc[m][i]) + row_offsets(r, i, gsum + m * r.groups, 0.f);
-}
+// Sixteen lanes (int_gemv_wide): half the conversions and multiply-adds a block.
+struct Avx512 {
+  using V = __m512;
+  static constexpr int kParts = 2, kLanes = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V broadcast(const float* p) { return _mm512_set1_ps(*p); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static void block(const uint8_t* q, int bits, V v[kParts]) { block_floats(q, bits, v); }
+};
 #endif
 
 // With int8 activations (llama.cpp's way: each block of x as int8 times one scale dx) a block's integer dot
@@ -328,11 +321,11 @@ template <>
 struct Kernels<true> {
   template <int M>
   static void one(const float* x, const float* gsum, const Rows& r, int bits, float* y, int64_t ldy, int64_t K) {
-    dot_rows_wide<M, 1>(x, gsum, r, bits, y, ldy, K);
+    dot_rows_float<Avx512, M, 1>(x, gsum, r, bits, y, ldy, K);
   }
   template <int M>
   static void many(const float* x, const float* gsum, const Rows& r, int bits, float* y, int64_t ldy, int64_t K) {
-    dot_rows_wide<M, rows_for(M)>(x, gsum, r, bits, y, ldy, K);
+    dot_rows_float<Avx512, M, rows_for(M)>(x, gsum, r, bits, y, ldy, K);
   }
 };
 #endif
