@@ -312,13 +312,16 @@ def _int_examples(op):
 
 
 def _attention_examples(op):
-    """Layers with GQA or not, a sliding window, a soft cap and each KV-cache dtype; decodes of requests with 1 to 90
+    """Layers with GQA or not, a sliding window, a soft cap, each KV-cache dtype and several head sizes; decodes of requests with 1 to 90
     tokens, prefill chunks over cached context. The weight is the layer's spec; the inputs come from real steps."""
     backend = torch_attention.TorchAttention()
     for heads, kv_heads, head_size, window, cap, dtype, kv_cache_dtype in (
         (14, 2, 64, None, None, torch.bfloat16, "auto"), (6, 3, 48, 5, None, torch.float32, "auto"),
         (4, 4, 32, None, 30.0, torch.bfloat16, "auto"), (6, 2, 64, 20, None, torch.bfloat16, "fp8"),
         (6, 2, 64, None, None, torch.float16, "int8"),
+        # bf16 value rows summed in register passes of up to 7 heads (3 at head size 128), and a head size without one
+        (16, 1, 64, 30, None, torch.bfloat16, "auto"), (12, 2, 128, None, None, torch.bfloat16, "auto"),
+        (10, 2, 80, None, None, torch.bfloat16, "auto"),
     ):
         layer = AttentionLayerSpec(heads, kv_heads, head_size, head_size**-0.5, window, logits_soft_cap=cap,
                                    k_scale=0.5 if kv_cache_dtype == "fp8" else 1.0)

@@ -212,6 +212,79 @@ inline bool bf16_scores(const at::BFloat16* q, const at::BFloat16* kp, Slot slot
 }
 #endif
 
+// Where a request's positions lie: its block table row, and the first value of its KV head in the cache (slot 0);
+// position t's row is `stride` values per slot further.
+struct PagedRows {
+  const int32_t* table;
+  int64_t block_size, stride;
+  const fw::bf16* base;
+};
+
+#if defined(__AVX512F__)
+// The weighted sum of bf16 value rows for HP heads of a group (P vectors a row), acc[h] = sum_t p[h][t] v[t], in the
+// order the generic path adds them (one multiply-add a position, in position order: the same sums bit for bit).
+// Every accumulator stays in a register across the positions, so each row is read and widened once for all the
+// heads that share it (GQA); the generic path reads it again for every head, its accumulators in memory.
+// Positions go a block at a time (no division per position).
+template <int P, int HP>
+void weigh_values(const float* s, int64_t n, const PagedRows& rows, int64_t first, int64_t len, float* out) {
+  __m512 acc[HP][P];
+  for (int h = 0; h < HP; ++h)
+    for (int k = 0; k < P; ++k) acc[h][k] = _mm512_setzero_ps();
+  for (int64_t t = first; t < len;) {
+    const int64_t block = t / rows.block_size, stop = std::min(len, (block + 1) * rows.block_size);
+    const fw::bf16* v = rows.base + (int64_t(rows.table[block]) * rows.block_size + t % rows.block_size) * rows.stride;
+    for (; t < stop; ++t, v += rows.stride) {
+      __m512 x[P];
+      for (int k = 0; k < P; ++k) x[k] = fw::load_bf16x16(v + 16 * k);
+      for (int h = 0; h < HP; ++h) {
+        const __m512 w = _mm512_set1_ps(s[h * n + t - first]);
+        for (int k = 0; k < P; ++k) acc[h][k] = _mm512_fmadd_ps(w, x[k], acc[h][k]);
+      }
+    }
+  }
+  for (int h = 0; h < HP; ++h)
+    for (int k = 0; k < P; ++k) _mm512_storeu_ps(out + (h * P + k) * 16, acc[h][k]);
+}
+
+// The heads in passes of as many as 28 registers hold beside a row (head size 64: 7 heads, Qwen2-0.5B's group).
+template <int P>
+void weigh_group(const float* s, int64_t n, const PagedRows& rows, int64_t first, int64_t len, int64_t group,
+                 float* out) {
+  constexpr int kHeads = std::min(7, 28 / P);
+  for (int64_t h0 = 0; h0 < group; h0 += kHeads) {
+    const float* sh = s + h0 * n;
+    float* oh = out + h0 * P * 16;
+    switch (std::min<int64_t>(kHeads, group - h0)) {
+      case 1: weigh_values<P, 1>(sh, n, rows, first, len, oh); break;
+      case 2: if constexpr (kHeads >= 2) weigh_values<P, 2>(sh, n, rows, first, len, oh); break;
+      case 3: if constexpr (kHeads >= 3) weigh_values<P, 3>(sh, n, rows, first, len, oh); break;
+      case 4: if constexpr (kHeads >= 4) weigh_values<P, 4>(sh, n, rows, first, len, oh); break;
+      case 5: if constexpr (kHeads >= 5) weigh_values<P, 5>(sh, n, rows, first, len, oh); break;
+      case 6: if constexpr (kHeads >= 6) weigh_values<P, 6>(sh, n, rows, first, len, oh); break;
+      default: if constexpr (kHeads >= 7) weigh_values<P, 7>(sh, n, rows, first, len, oh); break;
+    }
+  }
+}
+#endif
+
+// out [group, head_size] = the group's normalized scores s [group, len - first] times its bf16 value rows; false
+// where this build or head size has no such kernel.
+inline bool bf16_values(const float* s, int64_t group, const PagedRows& rows, int64_t first, int64_t len,
+                        int64_t head_size, float* out) {
+#if defined(__AVX512F__)
+  const int64_t n = len - first;
+  switch (head_size) {
+    case 32: weigh_group<2>(s, n, rows, first, len, group, out); return true;
+    case 64: weigh_group<4>(s, n, rows, first, len, group, out); return true;
+    case 128: weigh_group<8>(s, n, rows, first, len, group, out); return true;
+    default: return false;
+  }
+#else
+  return false;
+#endif
+}
+
 // How one head's row of the cache becomes float32 (the formats of fw/sdk/kv_quant.py): load returns the row's n values
 // as float32, converted into dst, or where they lie when the cache holds float32.
 template <typename T>
@@ -317,11 +390,19 @@ void decode(const at::Tensor& q, const at::Tensor& key_cache, const at::Tensor& 
         const float inverse = 1.f / sum;
         for (int64_t t = 0; t < n; ++t) s[t] *= inverse;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_chunk(values, vp, [&](int64_t t, const float* const* v, int64_t count) {
-        for (int64_t h = 0; h < group; ++h)
-          axpys(acc.data() + h * head_size, scores.data() + h * n + t - first, v, count, head_size);
-      });
+      bool weighed = false;
+      if constexpr (std::is_same_v<Format, Plain<T>> && std::is_same_v<T, at::BFloat16>) {
+        const PagedRows rows{tables + r * max_blocks, block_size, kv_heads * head_size,
+                             reinterpret_cast<const fw::bf16*>(vp) + g * head_size};
+        weighed = bf16_values(scores.data(), group, rows, first, len, head_size, acc.data());
+      }
+      if (!weighed) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for_each_chunk(values, vp, [&](int64_t t, const float* const* v, int64_t count) {
+          for (int64_t h = 0; h < group; ++h)
+            axpys(acc.data() + h * head_size, scores.data() + h * n + t - first, v, count, head_size);
+        });
+      }
       T* o = op + (r * num_heads + g * group) * head_size;
       for (int64_t i = 0; i < group * head_size; ++i) o[i] = static_cast<T>(acc[i]);
     }
