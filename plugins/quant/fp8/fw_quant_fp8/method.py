@@ -171,17 +171,17 @@ def _has_fp8_matmul(key: tuple) -> bool:
             and torch.cuda.get_device_capability() >= (8, 9))
 
 
-def _bf16_pairs(w: QuantizedRows, x: torch.Tensor) -> torch.Tensor:
-    """float32 products of bf16 activations with the FP8 rows in bf16 pairs (AVX-512 BF16; csrc/gemv.cpp says why
-    that is exact but for the order of the sums): a scale per row only."""
+def _bf16_pairs(w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor | None = None,
+                float_out: bool = True) -> torch.Tensor:
+    """Products of bf16 activations with the FP8 rows in bf16 pairs (AVX-512 BF16; csrc/gemv.cpp says why that is
+    exact but for the order of the sums), a scale per row only: float32, or bf16 with the bias added."""
     rows = x.numel() // x.shape[-1]
-    out = torch.ops.fw_quant_fp8.fp8_gemv_bf16(x.reshape(rows, x.shape[-1]), w.weight, w.scale)
+    out = torch.ops.fw_quant_fp8.fp8_gemv_bf16(x.reshape(rows, x.shape[-1]), w.weight, w.scale, bias, float_out)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _native_bf16(w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    out = _bf16_pairs(w, x).to(x.dtype)
-    return out if bias is None else out + bias
+    return _bf16_pairs(w, x, bias, float_out=False)
 
 
 def _has_bf16_pairs(key: tuple) -> bool:

@@ -290,7 +290,7 @@ def test_bf16_pair_product_takes_every_fp8_value_exactly():
     rows = method.QuantizedRows(weight.view(torch.float8_e4m3fn), scale, None)
     x = torch.zeros(1, width, dtype=torch.bfloat16)
     x[0, 67] = 1.0
-    out = torch.ops.fw_quant_fp8.fp8_gemv_bf16(x, weight, scale)
+    out = torch.ops.fw_quant_fp8.fp8_gemv_bf16(x, weight, scale, None, True)
     assert torch.equal(out[0], values.view(torch.float8_e4m3fn).float() * 0.5)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randint(0, 256, (40, width), dtype=torch.uint8, generator=gen)
@@ -299,9 +299,13 @@ def test_bf16_pair_product_takes_every_fp8_value_exactly():
     for m in (1, 3, 9):
         x = torch.randn(m, width, generator=gen).bfloat16()
         expected = x.double() @ (rows.weight.double() * rows.scale.double()).T
-        out = torch.ops.fw_quant_fp8.fp8_gemv_bf16(x, weight, rows.scale).double()
-        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
-        assert candidate.run(candidate.prepare(rows), x).dtype == torch.bfloat16
+        logits = torch.ops.fw_quant_fp8.fp8_gemv_bf16(x, weight, rows.scale, None, True)
+        torch.testing.assert_close(logits.double(), expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+        # The linear layers' bf16 output, the bias added in the kernel: rounded twice, as .to(bf16) + bias did
+        bias = torch.randn(40, generator=gen).bfloat16()
+        out = candidate.run(candidate.prepare(rows), x, bias)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, logits.bfloat16() + bias)
+        assert torch.equal(candidate.run(candidate.prepare(rows), x), logits.bfloat16())
 
 
 def test_bf16_pair_product_runs_only_where_it_is_exact_and_built():
