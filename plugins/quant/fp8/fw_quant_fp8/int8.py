@@ -28,10 +28,11 @@ _SOURCE = Path(__file__).parent / "csrc" / "w8a8.cpp"
 
 
 def _native(w: W8A8Rows, x: torch.Tensor, bias: torch.Tensor | None = None, kernel: str = "w8a8_gemv") -> torch.Tensor:
+    """The kernels return x's dtype with the bias added, rounded as ``.to(x.dtype) + bias`` would."""
     rows = x.numel() // x.shape[-1]
-    out = getattr(torch.ops.fw_quant_int8, kernel)(x.reshape(rows, x.shape[-1]), w.weight, w.scale, w.input_scale)
-    out = out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
-    return out if bias is None else out + bias
+    out = getattr(torch.ops.fw_quant_int8, kernel)(x.reshape(rows, x.shape[-1]), w.weight, w.scale, w.input_scale,
+                                                   bias)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,8 @@ def _vnni(state: _SummedRows, x: torch.Tensor, bias: torch.Tensor | None = None)
     w = state.rows
     rows = x.numel() // x.shape[-1]
     out = torch.ops.fw_quant_int8.w8a8_gemv_vnni(x.reshape(rows, x.shape[-1]), w.weight, w.scale, w.input_scale,
-                                                 state.sums)
-    out = out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
-    return out if bias is None else out + bias
+                                                 bias, state.sums)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _native_supports(key: tuple) -> bool:

@@ -136,9 +136,9 @@ def test_native_w8a8_rounds_activations_exactly_as_the_formula(dtype, name, widt
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(NATIVE_W8A8))
 def test_native_w8a8_products_are_the_exact_integer_dots(dtype, name):
-    """Every output is sum(q w) in integers times the two scales, rounded once: weights at -128 and 127, rows of
-    1 to 33 activations (register groups; AMX's groups of 16, in pairs), widths with a tail (those AMX takes);
-    every native kernel gives these same floats."""
+    """Every output is sum(q w) in integers times the two scales, rounded once (then the bias added, rounded
+    again): weights at -128 and 127, rows of 1 to 33 activations (register groups; AMX's groups of 16, in pairs),
+    widths with a tail (those AMX takes); every native kernel gives these same floats."""
     candidate = _native_candidate(name, 48, 4864, dtype)
     for width in (64, 200, 4864):
         if not candidate.supports((48, width, None, str(dtype).removeprefix("torch."), "cpu")):
@@ -157,6 +157,9 @@ def test_native_w8a8_products_are_the_exact_integer_dots(dtype, name):
                 dot = INT8.round(x / x_scale).to(torch.int64) @ weight.to(torch.int64).T
                 expected = (dot.float() * x_scale.float() * scale.reshape(1, -1)).to(dtype)
                 assert torch.equal(candidate.run(state, x), expected), (width, m, input_scale)
+                # The bias added by the kernel, in x's dtype, as `expected + bias` rounds it
+                bias = torch.randn(48, generator=gen).to(dtype)
+                assert torch.equal(candidate.run(state, x, bias), expected + bias), (width, m, input_scale)
 
 
 def test_the_vnni_candidate_runs_where_the_cpu_has_vnni():

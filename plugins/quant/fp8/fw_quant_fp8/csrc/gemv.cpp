@@ -215,9 +215,7 @@ bool has_bf16_dot() {
 }
 
 // x bf16 [M, K]; weight: FP8 e4m3 bits [N, K] as uint8; scale float32 [N, 1] (a scale per row). Returns float32
-// [M, N] (float_out, the LM head's logits), or bf16 [M, N] plus the bias (bf16 [N]) rounded as the separate
-// `.to(bfloat16)` and `+ bias` did, each a rounding to bf16: in a decode step those two small ops cost more than a
-// tenth of the products (a thread-pool start each).
+// [M, N] (float_out: the LM head's logits), or bf16 [M, N] plus the bias (fw::Outputs).
 at::Tensor fp8_gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                          const c10::optional<at::Tensor>& bias, bool float_out) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1), "x [M, K] and weight [N, K]");
@@ -232,38 +230,23 @@ at::Tensor fp8_gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const at
   std::vector<uint16_t> xi(M * ldx);
   for (int64_t m = 0; m < M; ++m)
     interleave_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()) + m * K, K, xi.data() + m * ldx);
-  TORCH_CHECK(float_out || !bias.has_value() || (bias->numel() == N && bias->scalar_type() == at::kBFloat16),
-              "bias must be bfloat16 [N]");
-  TORCH_CHECK(!(float_out && bias.has_value()), "float32 logits take no bias");
-  auto y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
-  const auto bias_c = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const at::BFloat16* bp = bias.has_value() ? bias_c.data_ptr<at::BFloat16>() : nullptr;
+  const fw::Outputs out(x, M, N, float_out ? at::kFloat : at::kBFloat16, bias);
   using RowFn = void (*)(const uint16_t*, int64_t, const uint8_t*, int64_t, const Bf16Tables&, float*);
   static constexpr RowFn kDots[kRows] = {dot_row_bf16<1>, dot_row_bf16<2>, dot_row_bf16<3>, dot_row_bf16<4>,
                                          dot_row_bf16<5>, dot_row_bf16<6>, dot_row_bf16<7>, dot_row_bf16<8>};
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   const float* sp = scale.contiguous().data_ptr<float>();
-  float* yf = float_out ? y.data_ptr<float>() : nullptr;
-  at::BFloat16* yb = float_out ? nullptr : y.data_ptr<at::BFloat16>();
   for (int64_t m = 0; m < M; m += kRows) {
     const int64_t rows = std::min(kRows, M - m);
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
       float dot[kRows];
       for (int64_t n = begin; n < end; ++n) {
         kDots[rows - 1](xi.data() + m * ldx, ldx, wp + n * K, K, tables, dot);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float v = dot[r] * sp[n];
-          if (yf) {
-            yf[(m + r) * N + n] = v;
-          } else {
-            const at::BFloat16 rounded(v);
-            yb[(m + r) * N + n] = bp ? at::BFloat16(float(rounded) + float(bp[n])) : rounded;
-          }
-        }
+        for (int64_t r = 0; r < rows; ++r) out.put(m + r, n, dot[r] * sp[n]);
       }
     });
   }
-  return y;
+  return out.y;
 #else
   TORCH_CHECK(false, "fp8_gemv_bf16: built without AVX-512 BF16 and VBMI (has_bf16_dot() is false)");
 #endif

@@ -120,11 +120,12 @@ void dot_row_vnni(const uint8_t* q, int64_t ldq, const int8_t* w, int64_t K, int
 
 // x [M, K] float32 or bfloat16; weight int8 [N, K]; scale float32 [N, 1]; input_scale: a static activation scale
 // (float32, one element), else per-row dynamic scales; row_sums (VNNI): int32 [N], each weight row's sum. Each
-// group of up to kRows activation rows runs Dot on every weight row. Returns float32 [M, N].
+// group of up to kRows activation rows runs Dot on every weight row. Returns x.dtype [M, N] with the bias
+// (fw::Outputs).
 template <typename Q, int kBias, int64_t kRows, typename Dot>
 at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                   const c10::optional<at::Tensor>& input_scale, const int32_t* row_sums, int64_t ldq,
-                   const std::array<Dot, kRows>& dots) {
+                   const c10::optional<at::Tensor>& input_scale, const c10::optional<at::Tensor>& bias,
+                   const int32_t* row_sums, int64_t ldq, const std::array<Dot, kRows>& dots) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1), "x [M, K] and weight [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(), "weight must be contiguous int8");
@@ -140,30 +141,29 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   for (int64_t m = 0; m < M; ++m)
     row_scale[m] = quantize_row<Q, kBias>(xf.data_ptr<float>() + m * K, K, bf16,
                                           input_scale.has_value() ? &static_scale : nullptr, q.data() + m * ldq);
-  auto y = at::empty({M, N}, xf.options());
+  const fw::Outputs out(x, M, N, x.scalar_type(), bias);
   const int8_t* wp = weight.data_ptr<int8_t>();
   const float* sp = sc.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   for (int64_t m = 0; m < M; m += kRows) {  // rows in groups that fit the register accumulators
     const int64_t rows = std::min(kRows, M - m);
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
       int32_t dot[kRows];
       for (int64_t n = begin; n < end; ++n) {
         dots[rows - 1](q.data() + m * ldq, ldq, wp + n * K, K, row_sums ? row_sums[n] : 0, dot);
-        for (int64_t r = 0; r < rows; ++r) yp[(m + r) * N + n] = float(dot[r]) * row_scale[m + r] * sp[n];
+        for (int64_t r = 0; r < rows; ++r) out.put(m + r, n, float(dot[r]) * row_scale[m + r] * sp[n]);
       }
     });
   }
-  return y;
+  return out.y;
 }
 
 using RowFn = void (*)(const int16_t*, int64_t, const int8_t*, int64_t, int32_t, int32_t*);
 
 at::Tensor w8a8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                     const c10::optional<at::Tensor>& input_scale) {
+                     const c10::optional<at::Tensor>& input_scale, const c10::optional<at::Tensor>& bias) {
   static constexpr std::array<RowFn, kMaxRows> kDots = {dot_row<1>, dot_row<2>, dot_row<3>, dot_row<4>};
   const int64_t K = x.size(-1);
-  return product<int16_t, 0, kMaxRows>(x, weight, scale, input_scale, nullptr, (K + kLanes - 1) / kLanes * kLanes,
+  return product<int16_t, 0, kMaxRows>(x, weight, scale, input_scale, bias, nullptr, (K + kLanes - 1) / kLanes * kLanes,
                                        kDots);
 }
 
@@ -176,7 +176,8 @@ bool has_vnni() {
 }
 
 at::Tensor w8a8_gemv_vnni(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                          const c10::optional<at::Tensor>& input_scale, const at::Tensor& row_sums) {
+                          const c10::optional<at::Tensor>& input_scale, const c10::optional<at::Tensor>& bias,
+                          const at::Tensor& row_sums) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   TORCH_CHECK(row_sums.scalar_type() == at::kInt && row_sums.is_contiguous() && row_sums.numel() == weight.size(0),
               "row_sums must be contiguous int32 [N]");
@@ -185,7 +186,8 @@ at::Tensor w8a8_gemv_vnni(const at::Tensor& x, const at::Tensor& weight, const a
   using VnniFn = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, int32_t, int32_t*);
   static constexpr std::array<VnniFn, 8> kDots = {dot_row_vnni<1>, dot_row_vnni<2>, dot_row_vnni<3>, dot_row_vnni<4>,
                                                   dot_row_vnni<5>, dot_row_vnni<6>, dot_row_vnni<7>, dot_row_vnni<8>};
-  return product<uint8_t, 128, 8>(x, weight, scale, input_scale, row_sums.data_ptr<int32_t>(), x.size(1), kDots);
+  return product<uint8_t, 128, 8>(x, weight, scale, input_scale, bias, row_sums.data_ptr<int32_t>(), x.size(1),
+                                  kDots);
 #else
   TORCH_CHECK(false, "w8a8_gemv_vnni: built without AVX-512 VNNI (has_vnni() is false)");
 #endif
@@ -202,7 +204,7 @@ constexpr int64_t kAmxDepth = 64, kAmxRows = 16;  // input features per tile mul
 // y [M, N] float32 = (x . W^T) * row_scale[m] * scale[n], from xt (ceil(M / 16) groups) and w int8 [N, K]; N a
 // multiple of 16, K of 64.
 void amx_w8a8(const int8_t* w, int64_t N, int64_t K, const int8_t* xt, int64_t M, const float* row_scale,
-              const float* scale, float* y) {
+              const float* scale, const fw::Outputs& y) {
   const int64_t blocks = N / 16, groups = (M + kAmxRows - 1) / kAmxRows, group_bytes = K * kAmxRows;
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     fw::TileConfig config;  // every tile 16 rows of 64 bytes: C 0-3, A 4-5 (weight rows), B 6-7 (activations)
@@ -218,7 +220,7 @@ void amx_w8a8(const int8_t* w, int64_t N, int64_t K, const int8_t* xt, int64_t M
         default: _tile_stored(3, c, 64); break;
       }
       for (int64_t m = m0; m < std::min(M, m0 + kAmxRows); ++m)
-        for (int n = 0; n < 16; ++n) y[m * N + n0 + n] = float(c[n][m - m0]) * row_scale[m] * scale[n0 + n];
+        for (int n = 0; n < 16; ++n) y.put(m, n0 + n, float(c[n][m - m0]) * row_scale[m] * scale[n0 + n]);
     };
     for (int64_t b = begin; b < end; ++b) {
       const int64_t j = 2 * b;
@@ -266,7 +268,8 @@ bool amx_supported() {
 // w8a8_gemv's product through AMX-INT8 tiles (amx_w8a8): the same rounding of x and the same integer dots, so the
 // same output bit for bit. N a multiple of 16, K of 64.
 at::Tensor w8a8_gemm_amx(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                         const c10::optional<at::Tensor>& input_scale) {
+                         const c10::optional<at::Tensor>& input_scale,
+                         const c10::optional<at::Tensor>& bias) {
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
   TORCH_CHECK(fw::amx_permitted(), "w8a8_gemm_amx: the kernel did not grant AMX tiles to this process");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1), "x [M, K] and weight [N, K]");
@@ -288,10 +291,9 @@ at::Tensor w8a8_gemm_amx(const at::Tensor& x, const at::Tensor& weight, const at
     int8_t* dst = xt.data() + (m / kAmxRows) * K * kAmxRows + (m % kAmxRows) * 4;
     for (int64_t k = 0; k < K; k += 4) std::memcpy(dst + k * kAmxRows, q.data() + k, 4);
   }
-  auto y = at::empty({M, N}, xf.options());
-  amx_w8a8(weight.data_ptr<int8_t>(), N, K, xt.data(), M, row_scale.data(), scale.contiguous().data_ptr<float>(),
-           y.data_ptr<float>());
-  return y;
+  const fw::Outputs out(x, M, N, x.scalar_type(), bias);
+  amx_w8a8(weight.data_ptr<int8_t>(), N, K, xt.data(), M, row_scale.data(), scale.contiguous().data_ptr<float>(), out);
+  return out.y;
 #else
   TORCH_CHECK(false, "w8a8_gemm_amx: built without AMX-INT8 (amx_supported() is false)");
 #endif
@@ -300,12 +302,13 @@ at::Tensor w8a8_gemm_amx(const at::Tensor& x, const at::Tensor& weight, const at
 }  // namespace
 
 TORCH_LIBRARY(fw_quant_int8, m) {
-  m.def("w8a8_gemv(Tensor x, Tensor weight, Tensor scale, Tensor? input_scale) -> Tensor");
+  m.def("w8a8_gemv(Tensor x, Tensor weight, Tensor scale, Tensor? input_scale, Tensor? bias) -> Tensor");
   m.impl("w8a8_gemv", c10::DispatchKey::CPU, TORCH_FN(w8a8_gemv));
-  m.def("w8a8_gemv_vnni(Tensor x, Tensor weight, Tensor scale, Tensor? input_scale, Tensor row_sums) -> Tensor");
+  m.def("w8a8_gemv_vnni(Tensor x, Tensor weight, Tensor scale, Tensor? input_scale, Tensor? bias, "
+        "Tensor row_sums) -> Tensor");
   m.impl("w8a8_gemv_vnni", c10::DispatchKey::CPU, TORCH_FN(w8a8_gemv_vnni));
   m.def("has_vnni() -> bool", TORCH_FN(has_vnni));
-  m.def("w8a8_gemm_amx(Tensor x, Tensor weight, Tensor scale, Tensor? input_scale) -> Tensor");
+  m.def("w8a8_gemm_amx(Tensor x, Tensor weight, Tensor scale, Tensor? input_scale, Tensor? bias) -> Tensor");
   m.impl("w8a8_gemm_amx", c10::DispatchKey::CPU, TORCH_FN(w8a8_gemm_amx));
   m.def("amx_supported() -> bool", TORCH_FN(amx_supported));
 }
