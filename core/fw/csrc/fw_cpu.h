@@ -47,42 +47,6 @@ inline bf16 round_bf16(float f) {  // round to nearest even, as torch does; NaN 
   return (u & 0x7fffffff) > 0x7f800000 ? bf16(0x7fc0) : bf16(rounded);
 }
 
-// A product's output [M, N] in the activations' dtype, and where its float32 values go: float32 as they are, or
-// bf16 rounded; the bias (of that dtype) added, then rounded again. The same values as `.to(x.dtype) + bias`
-// without those two small ops, each a thread-pool start in a decode step (a tenth of an fp8 decode step).
-struct Outputs {
-  at::Tensor y, bias;
-  float* f = nullptr;  // float32 y and bias, or
-  const float* bias_f = nullptr;
-  bf16* b = nullptr;  // bf16 y and bias
-  const bf16* bias_b = nullptr;
-  int64_t ld = 0;
-
-  Outputs(const at::Tensor& like, int64_t M, int64_t N, at::ScalarType dtype, const c10::optional<at::Tensor>& b_)
-      : y(at::empty({M, N}, like.options().dtype(dtype))), ld(N) {
-    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "outputs are float32 or bfloat16");
-    if (b_.has_value()) {
-      bias = b_->to(dtype).contiguous();
-      TORCH_CHECK(bias.numel() == N, "the bias must have one value per output");
-    }
-    if (dtype == at::kFloat) {
-      f = y.data_ptr<float>();
-      if (bias.defined()) bias_f = bias.data_ptr<float>();
-    } else {
-      b = reinterpret_cast<bf16*>(y.data_ptr());
-      if (bias.defined()) bias_b = reinterpret_cast<const bf16*>(bias.data_ptr());
-    }
-  }
-
-  void put(int64_t m, int64_t n, float v) const {
-    if (f) {
-      f[m * ld + n] = bias_f ? v + bias_f[n] : v;
-      return;
-    }
-    const bf16 r = round_bf16(v);
-    b[m * ld + n] = bias_b ? round_bf16(f32(r) + f32(bias_b[n])) : r;
-  }
-};
 
 // Decode-step products stream each weight once from memory, not from cache: a model's weights outgrow the caches
 // between two uses. The hardware prefetcher alone left the cores waiting. Requesting the weight stream this far
@@ -166,5 +130,54 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, k);
 }
 #endif
+
+// A product's output [M, N] in the activations' dtype, and where its float32 values go: float32 as they are, or
+// bf16 rounded; the bias (of that dtype) added, then rounded again. The same values as `.to(x.dtype) + bias`
+// without those two small ops in every decode-step product.
+struct Outputs {
+  at::Tensor y, bias;
+  float* f = nullptr;  // float32 y and bias, or
+  const float* bias_f = nullptr;
+  bf16* b = nullptr;  // bf16 y and bias
+  const bf16* bias_b = nullptr;
+  int64_t ld = 0;
+
+  Outputs(const at::Tensor& like, int64_t M, int64_t N, at::ScalarType dtype, const c10::optional<at::Tensor>& b_)
+      : y(at::empty({M, N}, like.options().dtype(dtype))), ld(N) {
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "outputs are float32 or bfloat16");
+    if (b_.has_value()) {
+      bias = b_->to(dtype).contiguous();
+      TORCH_CHECK(bias.numel() == N, "the bias must have one value per output");
+    }
+    if (dtype == at::kFloat) {
+      f = y.data_ptr<float>();
+      if (bias.defined()) bias_f = bias.data_ptr<float>();
+    } else {
+      b = reinterpret_cast<bf16*>(y.data_ptr());
+      if (bias.defined()) bias_b = reinterpret_cast<const bf16*>(bias.data_ptr());
+    }
+  }
+
+  void put(int64_t m, int64_t n, float v) const {
+    if (f) {
+      f[m * ld + n] = bias_f ? v + bias_f[n] : v;
+      return;
+    }
+    const bf16 r = round_bf16(v);
+    b[m * ld + n] = bias_b ? round_bf16(f32(r) + f32(bias_b[n])) : r;
+  }
+
+#if defined(__AVX512F__)
+  void put16(int64_t m, int64_t n, __m512 v) const {  // outputs n .. n + 15 of row m (finite values)
+    if (f) {
+      _mm512_storeu_ps(f + m * ld + n, bias_f ? _mm512_add_ps(v, _mm512_loadu_ps(bias_f + n)) : v);
+      return;
+    }
+    __m512 r = round_bf16x16(v);
+    if (bias_b) r = round_bf16x16(_mm512_add_ps(r, load_bf16x16(bias_b + n)));
+    store_bf16x16(b + m * ld + n, r);
+  }
+#endif
+};
 
 }  // namespace fw

@@ -206,6 +206,147 @@ void dot_row_bf16(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K, c
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+// FP8 weights at prefill sizes through AMX bf16 tiles. Each column pair's 32 weight rows are widened once per call,
+// exactly (the byte tables of fp8_gemv_bf16), into AMX's right-hand tile layout: 16 pairs of input features x 16
+// columns, the layout of fw's dense blocks (fw/csrc/dense.cpp). Every 32-row tile of x then runs against them,
+// so the weight is read and widened once for all the rows; fp8_gemv_bf16, a row group at a time, took 6x bf16's
+// prefill time.
+constexpr int64_t kAmxRows = 32, kAmxDepth = 32, kCols = 16;
+
+// 16 rows of 16 32-bit lanes -> 16 columns: r[j] lane i = input r[i] lane j.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// 16 weight rows (K bytes apart, K a multiple of 64) as bf16 pairs in tile layout: tiles[p * 16 + c] holds row c's
+// input features 2p and 2p + 1.
+void widen_block(const uint8_t* w, int64_t K, const Bf16Tables& t, uint32_t* tiles) {
+  const __m512i sign = _mm512_set1_epi8(char(0x80));
+  // the table lookups interleave words within 128-bit lanes; these put 64 features back in order
+  const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  alignas(64) uint32_t stage[16][32];  // 16 rows x 64 features as pairs
+  for (int64_t k0 = 0; k0 < K; k0 += 64) {
+    for (int c = 0; c < 16; ++c) {
+      const __m512i b = _mm512_loadu_si512(w + c * K + k0);
+      const __m512i lo = _mm512_permutex2var_epi8(t.lo[0], b, t.lo[1]);
+      const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi[0], b, t.hi[1]), b, sign, 0xf8);
+      const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);
+      _mm512_store_si512(stage[c], _mm512_permutex2var_epi64(w0, first, w1));
+      _mm512_store_si512(stage[c] + 16, _mm512_permutex2var_epi64(w0, second, w1));
+    }
+    for (int half = 0; half < 2; ++half) {
+      __m512i r[16];
+      for (int c = 0; c < 16; ++c) r[c] = _mm512_load_si512(stage[c] + 16 * half);
+      transpose16(r);
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tiles + (k0 / 2 + 16 * half + p) * 16, r[p]);
+    }
+  }
+}
+#endif
+
+// x bf16 [M, K] (K a multiple of 64); weight: FP8 e4m3 bits [N, K] (N a multiple of 16); scale float32 [N, 1].
+// Returns bf16 [M, N] with the bias (fw::Outputs), from float32 sums as fp8_gemv_bf16's (other order).
+at::Tensor fp8_gemm_amx(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& bias) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+  TORCH_CHECK(fw::amx_permitted(), "fp8_gemm_amx: the kernel did not grant AMX tiles to this process");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1), "x [M, K] and weight [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bfloat16");
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0), "scale must be float32 [N, 1]");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(N % kCols == 0 && K % 64 == 0, "fp8_gemm_amx takes N a multiple of 16 and K of 64");
+  static const Bf16Tables tables;
+  const int64_t Mp = (M + kAmxRows - 1) / kAmxRows * kAmxRows, blocks = N / kCols;
+  const auto xp = Mp == M ? x.contiguous() : at::constant_pad_nd(x, {0, 0, 0, Mp - M});
+  const fw::bf16* xb = reinterpret_cast<const fw::bf16*>(xp.data_ptr());
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  const auto sc = scale.contiguous();
+  const float* sp = sc.data_ptr<float>();
+  const fw::Outputs out(x, M, N, at::kBFloat16, bias);
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    fw::TileConfig config;  // every tile 16 rows of 64 bytes: C 0-3, A 4-5, B 6-7
+    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+    std::vector<uint32_t> tiles(2 * K / 2 * kCols);  // the pair's two blocks
+    alignas(64) float buf[16 * kCols];
+    auto put = [&](int tile, int64_t row0, int64_t col0) {  // a C tile, scaled per column, into y's rows < M
+      switch (tile) {
+        case 0: _tile_stored(0, buf, 64); break;
+        case 1: _tile_stored(1, buf, 64); break;
+        case 2: _tile_stored(2, buf, 64); break;
+        default: _tile_stored(3, buf, 64); break;
+      }
+      const __m512 s = _mm512_loadu_ps(sp + col0);
+      for (int64_t r = 0; r < 16 && row0 + r < M; ++r) out.put16(row0 + r, col0, _mm512_mul_ps(_mm512_load_ps(buf + r * kCols), s));
+    };
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t j = 2 * g, col = j * kCols;
+      const bool two = j + 1 < blocks;
+      for (int64_t b = 0; b < (two ? 2 : 1); ++b)
+        widen_block(wp + (j + b) * kCols * K, K, tables, tiles.data() + b * K / 2 * kCols);
+      const uint32_t* w0 = tiles.data();
+      const uint32_t* w1 = w0 + K / 2 * kCols;
+      for (int64_t m = 0; m < Mp; m += kAmxRows) {
+        const fw::bf16* xm = xb + m * K;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t k = 0; k < K; k += kAmxDepth) {
+          _tile_loadd(4, xm + k, K * 2);
+          _tile_loadd(5, xm + 16 * K + k, K * 2);
+          _tile_loadd(6, w0 + k / 2 * kCols, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(2, 5, 6);
+          if (two) {
+            _tile_loadd(7, w1 + k / 2 * kCols, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        put(0, m, col);
+        put(2, m + 16, col);
+        if (two) {
+          put(1, m, col + kCols);
+          put(3, m + 16, col + kCols);
+        }
+      }
+    }
+    _tile_release();
+  });
+  return out.y;
+#else
+  TORCH_CHECK(false, "fp8_gemm_amx: built without AMX-BF16 (amx_supported() is false)");
+#endif
+}
+
+bool amx_supported() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+  return fw::amx_permitted();
+#else
+  return false;
+#endif
+}
+
 bool has_bf16_dot() {
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
   return true;
@@ -262,4 +403,7 @@ TORCH_LIBRARY(fw_quant_fp8, m) {
   m.def("fp8_gemv_bf16(Tensor x, Tensor weight, Tensor scale, Tensor? bias, bool float_out) -> Tensor");
   m.impl("fp8_gemv_bf16", c10::DispatchKey::CPU, TORCH_FN(fp8_gemv_bf16));
   m.def("has_bf16_dot() -> bool", TORCH_FN(has_bf16_dot));
+  m.def("fp8_gemm_amx(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
+  m.impl("fp8_gemm_amx", c10::DispatchKey::CPU, TORCH_FN(fp8_gemm_amx));
+  m.def("amx_supported() -> bool", TORCH_FN(amx_supported));
 }
