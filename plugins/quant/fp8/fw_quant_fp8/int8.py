@@ -16,12 +16,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from fw.sdk import kernels, native
-from fw_quant_fp8.method import Fp8Method, W8A8Rows, logits_product, w8a8_product, widening_product
+from fw_quant_fp8.method import (
+    Fp8Method,
+    W8A8Rows,
+    amx_product,
+    as_bits,
+    has_amx,
+    logits_product,
+    w8a8_product,
+    widening_product,
+)
 from fw_quant_fp8.numerics import INT8
 
 _SOURCE = Path(__file__).parent / "csrc" / "w8a8.cpp"
@@ -57,6 +67,7 @@ def _native_supports(key: tuple) -> bool:
 
 
 WEIGHT_ONLY = widening_product("int8.linear", "int8_gemv")
+WEIGHT_ONLY.register(kernels.Candidate("fw-amx", partial(amx_product, True), as_bits, "bits", has_amx))
 LOGITS = logits_product("int8.logits", "int8_gemv")
 W8A8 = w8a8_product("int8.linear.a8", WEIGHT_ONLY, INT8, (
     kernels.Candidate("fw", _native, supports=_native_supports),

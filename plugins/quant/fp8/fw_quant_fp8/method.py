@@ -197,13 +197,14 @@ def logits_product(name: str, kernel: str) -> kernels.Operation:
     return op
 
 
-def _amx(w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def amx_product(int8: bool, w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 activations times FP8 (or int8) rows widened into AMX tiles, a scale per row only."""
     rows = x.numel() // x.shape[-1]
-    out = torch.ops.fw_quant_fp8.fp8_gemm_amx(x.reshape(rows, x.shape[-1]), w.weight, w.scale, bias)
+    out = torch.ops.fw_quant_fp8.gemm_amx(x.reshape(rows, x.shape[-1]), w.weight, w.scale, bias, int8)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _has_amx(key: tuple) -> bool:
+def has_amx(key: tuple) -> bool:
     """AMX-BF16 tiles for prefill-sized products: the bf16-pair conditions, 16 output rows and 64 input features at
     a time."""
     return (_has_bf16_pairs(key) and key[0] % 16 == 0 and key[1] % 64 == 0
@@ -212,7 +213,7 @@ def _has_amx(key: tuple) -> bool:
 
 PRODUCT = widening_product("fp8.linear", "fp8_gemv")
 PRODUCT.register(kernels.Candidate("fw-bf16", _native_bf16, as_bits, "bits", _has_bf16_pairs))
-PRODUCT.register(kernels.Candidate("fw-amx", _amx, as_bits, "bits", _has_amx))
+PRODUCT.register(kernels.Candidate("fw-amx", partial(amx_product, False), as_bits, "bits", has_amx))
 LOGITS = logits_product("fp8.logits", "fp8_gemv")
 LOGITS.register(kernels.Candidate("fw-bf16", _bf16_pairs, as_bits, "bits", _has_bf16_pairs))
 # W8A8 with a scale per token or a static one (no groups): the widening products on rounded activations, and

@@ -308,30 +308,33 @@ def test_bf16_pair_product_takes_every_fp8_value_exactly():
         assert torch.equal(candidate.run(candidate.prepare(rows), x), logits.bfloat16())
 
 
-def test_amx_product_takes_every_fp8_value_exactly_in_its_column():
+@pytest.mark.parametrize("element", ["fp8", "int8"])
+def test_amx_product_takes_every_weight_value_exactly_in_its_column(element):
     """``fw-amx`` widens each column pair's weight rows into AMX tiles (16 input-feature pairs x 16 columns): with
     one weight row per byte value and x one-hot rows at several features, every output is its own weight times the
     row scale, exactly (one nonzero product each), so a misplaced feature or column would show; 40 rows pad to two
     32-row tiles, and 48 columns leave the last pair one block."""
-    from fw_quant_fp8 import method
+    from fw_quant_fp8 import int8, method
 
-    candidate = method.PRODUCT.candidates["fw-amx"]
+    op, dtype = (method.PRODUCT, torch.float8_e4m3fn) if element == "fp8" else (int8.WEIGHT_ONLY, torch.int8)
+    candidate = op.candidates["fw-amx"]
     if not candidate.supports((256, 128, None, "bfloat16", "cpu")):
         pytest.skip("this CPU has no AMX-BF16 (with AVX-512 BF16 and VBMI), Linux does not grant it, or no C++")
     values = torch.arange(256, dtype=torch.uint8)
-    values[(values & 0x7F) == 0x7F] = 0  # NaN left out
+    if element == "fp8":
+        values[(values & 0x7F) == 0x7F] = 0  # NaN left out
     for columns in (256, 48):
         weight = torch.zeros(columns, 128, dtype=torch.uint8)
         features = [0, 5, 67, 127]
         for f in features:  # a different byte in each feature, so features cannot stand in for each other
             weight[:, f] = values.roll(f)[:columns]
-        rows = method.QuantizedRows(weight.view(torch.float8_e4m3fn), torch.full((columns, 1), 0.5), None)
+        rows = method.QuantizedRows(weight.view(dtype), torch.full((columns, 1), 0.5), None)
         x = torch.zeros(40, 128, dtype=torch.bfloat16)
         for i in range(40):
             x[i, features[i % len(features)]] = 1.0
         out = candidate.run(candidate.prepare(rows), x)
         expected = (weight[:, [features[i % len(features)] for i in range(40)]].T.contiguous()
-                    .view(torch.float8_e4m3fn).float() * 0.5).bfloat16()
+                    .view(dtype).float() * 0.5).bfloat16()
         assert torch.equal(out, expected), columns
 
 

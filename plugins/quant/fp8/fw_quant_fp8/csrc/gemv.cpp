@@ -156,6 +156,13 @@ struct Bf16Tables {
     }
     for (int i = 0; i < 2; ++i) lo[i] = _mm512_load_si512(l + 64 * i), hi[i] = _mm512_load_si512(h + 64 * i);
   }
+  // 64 weight bytes as bf16 words: w0 holds bytes 0-7 of each 128-bit lane, w1 bytes 8-15.
+  void words(__m512i b, __m512i& w0, __m512i& w1) const {
+    const __m512i l = _mm512_permutex2var_epi8(lo[0], b, lo[1]);
+    const __m512i h = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi[0], b, hi[1]), b,
+                                                _mm512_set1_epi8(char(0x80)), 0xf8);  // the sign bit from b
+    w0 = _mm512_unpacklo_epi8(l, h), w1 = _mm512_unpackhi_epi8(l, h);
+  }
 };
 
 // The words of 64 activations (bf16) in the order the weights' bytes interleave: within each 128-bit lane,
@@ -177,15 +184,13 @@ void dot_row_bf16(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K, c
   __m512 acc[S][2][M];
   for (int s = 0; s < S; ++s)
     for (int m = 0; m < M; ++m) acc[s][0][m] = acc[s][1][m] = _mm512_setzero_ps();
-  const __m512i sign = _mm512_set1_epi8(char(0x80));
   auto chunk = [&](int64_t k, __m512i b, __m512 (*a)[M]) {
-    const __m512i lo = _mm512_permutex2var_epi8(t.lo[0], b, t.lo[1]);
-    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi[0], b, t.hi[1]), b, sign, 0xf8);
-    const __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi), w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+    __m512i w0, w1;
+    t.words(b, w0, w1);
     for (int m = 0; m < M; ++m) {
       const uint16_t* xm = x + m * ldx + k;
-      a[0][m] = _mm512_dpbf16_ps(a[0][m], (__m512bh)_mm512_loadu_si512(xm), w0);
-      a[1][m] = _mm512_dpbf16_ps(a[1][m], (__m512bh)_mm512_loadu_si512(xm + 32), w1);
+      a[0][m] = _mm512_dpbf16_ps(a[0][m], (__m512bh)_mm512_loadu_si512(xm), (__m512bh)w0);
+      a[1][m] = _mm512_dpbf16_ps(a[1][m], (__m512bh)_mm512_loadu_si512(xm + 32), (__m512bh)w1);
     }
   };
   int64_t k = 0;
@@ -207,8 +212,8 @@ void dot_row_bf16(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K, c
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-// FP8 weights at prefill sizes through AMX bf16 tiles. Each column pair's 32 weight rows are widened once per call,
-// exactly (the byte tables of fp8_gemv_bf16), into AMX's right-hand tile layout: 16 pairs of input features x 16
+// FP8 or int8 weights at prefill sizes through AMX bf16 tiles. Each column pair's 32 weight rows are widened once per
+// call, exactly (FP8 through the byte tables of fp8_gemv_bf16), into AMX's right-hand tile layout: 16 pairs of input features x 16
 // columns, the layout of fw's dense blocks (fw/csrc/dense.cpp). Every 32-row tile of x then runs against them,
 // so the weight is read and widened once for all the rows; fp8_gemv_bf16, a row group at a time, took 6x bf16's
 // prefill time.
@@ -239,21 +244,38 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
+// 64 weight bytes as 64 bf16 values in order, two vectors of 32: FP8 through the byte tables (which interleave
+// words within 128-bit lanes, put back in order here), int8 by conversion (exact: 8 bits fit bf16's mantissa).
+struct Fp8Pairs {
+  const Bf16Tables& t;
+  void operator()(__m512i b, __m512i& first, __m512i& second) const {
+    __m512i w0, w1;
+    t.words(b, w0, w1);
+    first = _mm512_permutex2var_epi64(w0, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), w1);
+    second = _mm512_permutex2var_epi64(w0, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), w1);
+  }
+};
+
+struct Int8Pairs {
+  void operator()(__m512i b, __m512i& first, __m512i& second) const {
+    __m512 f[4];
+    for (int i = 0; i < 4; ++i) f[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(b, i)));
+    first = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
+    second = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+  }
+};
+
 // 16 weight rows (K bytes apart, K a multiple of 64) as bf16 pairs in tile layout: tiles[p * 16 + c] holds row c's
 // input features 2p and 2p + 1.
-void widen_block(const uint8_t* w, int64_t K, const Bf16Tables& t, uint32_t* tiles) {
-  const __m512i sign = _mm512_set1_epi8(char(0x80));
-  // the table lookups interleave words within 128-bit lanes; these put 64 features back in order
-  const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+template <typename Widen>
+void widen_block(const uint8_t* w, int64_t K, const Widen& widen, uint32_t* tiles) {
   alignas(64) uint32_t stage[16][32];  // 16 rows x 64 features as pairs
   for (int64_t k0 = 0; k0 < K; k0 += 64) {
     for (int c = 0; c < 16; ++c) {
-      const __m512i b = _mm512_loadu_si512(w + c * K + k0);
-      const __m512i lo = _mm512_permutex2var_epi8(t.lo[0], b, t.lo[1]);
-      const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi[0], b, t.hi[1]), b, sign, 0xf8);
-      const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);
-      _mm512_store_si512(stage[c], _mm512_permutex2var_epi64(w0, first, w1));
-      _mm512_store_si512(stage[c] + 16, _mm512_permutex2var_epi64(w0, second, w1));
+      __m512i first, second;
+      widen(_mm512_loadu_si512(w + c * K + k0), first, second);
+      _mm512_store_si512(stage[c], first);
+      _mm512_store_si512(stage[c] + 16, second);
     }
     for (int half = 0; half < 2; ++half) {
       __m512i r[16];
@@ -265,19 +287,21 @@ void widen_block(const uint8_t* w, int64_t K, const Bf16Tables& t, uint32_t* til
 }
 #endif
 
-// x bf16 [M, K] (K a multiple of 64); weight: FP8 e4m3 bits [N, K] (N a multiple of 16); scale float32 [N, 1].
-// Returns bf16 [M, N] with the bias (fw::Outputs), from float32 sums as fp8_gemv_bf16's (other order).
-at::Tensor fp8_gemm_amx(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                        const c10::optional<at::Tensor>& bias) {
+// x bf16 [M, K] (K a multiple of 64); weight: FP8 e4m3 or int8 bits [N, K] (N a multiple of 16); scale float32
+// [N, 1]. Returns bf16 [M, N] with the bias (fw::Outputs), from exact products summed in float32.
+at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                    const c10::optional<at::Tensor>& bias, bool int8) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-  TORCH_CHECK(fw::amx_permitted(), "fp8_gemm_amx: the kernel did not grant AMX tiles to this process");
+  TORCH_CHECK(fw::amx_permitted(), "gemm_amx: the kernel did not grant AMX tiles to this process");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1), "x [M, K] and weight [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bfloat16");
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0), "scale must be float32 [N, 1]");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(N % kCols == 0 && K % 64 == 0, "fp8_gemm_amx takes N a multiple of 16 and K of 64");
+  TORCH_CHECK(N % kCols == 0 && K % 64 == 0, "gemm_amx takes N a multiple of 16 and K of 64");
   static const Bf16Tables tables;
+  const Fp8Pairs fp8{tables};
+  const Int8Pairs int8_pairs;
   const int64_t Mp = (M + kAmxRows - 1) / kAmxRows * kAmxRows, blocks = N / kCols;
   const auto xp = Mp == M ? x.contiguous() : at::constant_pad_nd(x, {0, 0, 0, Mp - M});
   const fw::bf16* xb = reinterpret_cast<const fw::bf16*>(xp.data_ptr());
@@ -304,8 +328,11 @@ at::Tensor fp8_gemm_amx(const at::Tensor& x, const at::Tensor& weight, const at:
     for (int64_t g = begin; g < end; ++g) {
       const int64_t j = 2 * g, col = j * kCols;
       const bool two = j + 1 < blocks;
-      for (int64_t b = 0; b < (two ? 2 : 1); ++b)
-        widen_block(wp + (j + b) * kCols * K, K, tables, tiles.data() + b * K / 2 * kCols);
+      for (int64_t b = 0; b < (two ? 2 : 1); ++b) {
+        uint32_t* block_tiles = tiles.data() + b * K / 2 * kCols;
+        if (int8) widen_block(wp + (j + b) * kCols * K, K, int8_pairs, block_tiles);
+        else widen_block(wp + (j + b) * kCols * K, K, fp8, block_tiles);
+      }
       const uint32_t* w0 = tiles.data();
       const uint32_t* w1 = w0 + K / 2 * kCols;
       for (int64_t m = 0; m < Mp; m += kAmxRows) {
@@ -335,7 +362,7 @@ at::Tensor fp8_gemm_amx(const at::Tensor& x, const at::Tensor& weight, const at:
   });
   return out.y;
 #else
-  TORCH_CHECK(false, "fp8_gemm_amx: built without AMX-BF16 (amx_supported() is false)");
+  TORCH_CHECK(false, "gemm_amx: built without AMX-BF16 (amx_supported() is false)");
 #endif
 }
 
@@ -403,7 +430,7 @@ TORCH_LIBRARY(fw_quant_fp8, m) {
   m.def("fp8_gemv_bf16(Tensor x, Tensor weight, Tensor scale, Tensor? bias, bool float_out) -> Tensor");
   m.impl("fp8_gemv_bf16", c10::DispatchKey::CPU, TORCH_FN(fp8_gemv_bf16));
   m.def("has_bf16_dot() -> bool", TORCH_FN(has_bf16_dot));
-  m.def("fp8_gemm_amx(Tensor x, Tensor weight, Tensor scale, Tensor? bias) -> Tensor");
-  m.impl("fp8_gemm_amx", c10::DispatchKey::CPU, TORCH_FN(fp8_gemm_amx));
+  m.def("gemm_amx(Tensor x, Tensor weight, Tensor scale, Tensor? bias, bool int8) -> Tensor");
+  m.impl("gemm_amx", c10::DispatchKey::CPU, TORCH_FN(gemm_amx));
   m.def("amx_supported() -> bool", TORCH_FN(amx_supported));
 }
