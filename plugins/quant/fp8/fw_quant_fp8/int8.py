@@ -27,8 +27,11 @@ from fw_quant_fp8.method import (
     W8A8Rows,
     amx_product,
     as_bits,
+    bf16_pairs,
     has_amx,
+    has_bf16_pairs,
     logits_product,
+    native_bf16,
     w8a8_product,
     widening_product,
 )
@@ -67,8 +70,10 @@ def _native_supports(key: tuple) -> bool:
 
 
 WEIGHT_ONLY = widening_product("int8.linear", "int8_gemv")
+WEIGHT_ONLY.register(kernels.Candidate("fw-bf16", partial(native_bf16, True), as_bits, "bits", has_bf16_pairs))
 WEIGHT_ONLY.register(kernels.Candidate("fw-amx", partial(amx_product, True), as_bits, "bits", has_amx))
 LOGITS = logits_product("int8.logits", "int8_gemv")
+LOGITS.register(kernels.Candidate("fw-bf16", partial(bf16_pairs, True), as_bits, "bits", has_bf16_pairs))
 W8A8 = w8a8_product("int8.linear.a8", WEIGHT_ONLY, INT8, (
     kernels.Candidate("fw", _native, supports=_native_supports),
     kernels.Candidate("fw-vnni", _vnni, prepare=lambda w: _SummedRows(w, w.weight.sum(1, dtype=torch.int32)),

@@ -171,20 +171,20 @@ def _has_fp8_matmul(key: tuple) -> bool:
             and torch.cuda.get_device_capability() >= (8, 9))
 
 
-def _bf16_pairs(w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor | None = None,
-                float_out: bool = True) -> torch.Tensor:
-    """Products of bf16 activations with the FP8 rows in bf16 pairs (AVX-512 BF16; csrc/gemv.cpp says why that is
-    exact but for the order of the sums), a scale per row only: float32, or bf16 with the bias added."""
+def bf16_pairs(int8: bool, w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor | None = None,
+               float_out: bool = True) -> torch.Tensor:
+    """Products of bf16 activations with FP8 (or int8) rows in bf16 pairs (AVX-512 BF16; csrc/gemv.cpp says why
+    that is exact but for the order of the sums), a scale per row only: float32, or bf16 with the bias added."""
     rows = x.numel() // x.shape[-1]
-    out = torch.ops.fw_quant_fp8.fp8_gemv_bf16(x.reshape(rows, x.shape[-1]), w.weight, w.scale, bias, float_out)
+    out = torch.ops.fw_quant_fp8.gemv_bf16(x.reshape(rows, x.shape[-1]), w.weight, w.scale, bias, float_out, int8)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _native_bf16(w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return _bf16_pairs(w, x, bias, float_out=False)
+def native_bf16(int8: bool, w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return bf16_pairs(int8, w, x, bias, float_out=False)
 
 
-def _has_bf16_pairs(key: tuple) -> bool:
+def has_bf16_pairs(key: tuple) -> bool:
     return key[2] is None and key[3] == "bfloat16" and native_supports(key) and torch.ops.fw_quant_fp8.has_bf16_dot()
 
 
@@ -207,15 +207,15 @@ def amx_product(int8: bool, w: QuantizedRows, x: torch.Tensor, bias: torch.Tenso
 def has_amx(key: tuple) -> bool:
     """AMX-BF16 tiles for prefill-sized products: the bf16-pair conditions, 16 output rows and 64 input features at
     a time."""
-    return (_has_bf16_pairs(key) and key[0] % 16 == 0 and key[1] % 64 == 0
+    return (has_bf16_pairs(key) and key[0] % 16 == 0 and key[1] % 64 == 0
             and torch.ops.fw_quant_fp8.amx_supported())
 
 
 PRODUCT = widening_product("fp8.linear", "fp8_gemv")
-PRODUCT.register(kernels.Candidate("fw-bf16", _native_bf16, as_bits, "bits", _has_bf16_pairs))
+PRODUCT.register(kernels.Candidate("fw-bf16", partial(native_bf16, False), as_bits, "bits", has_bf16_pairs))
 PRODUCT.register(kernels.Candidate("fw-amx", partial(amx_product, False), as_bits, "bits", has_amx))
 LOGITS = logits_product("fp8.logits", "fp8_gemv")
-LOGITS.register(kernels.Candidate("fw-bf16", _bf16_pairs, as_bits, "bits", _has_bf16_pairs))
+LOGITS.register(kernels.Candidate("fw-bf16", partial(bf16_pairs, False), as_bits, "bits", has_bf16_pairs))
 # W8A8 with a scale per token or a static one (no groups): the widening products on rounded activations, and
 # torch._scaled_mm's FP8 GEMM where the GPU has one.
 W8A8 = w8a8_product("fp8.linear.a8", PRODUCT, E4M3,

@@ -272,34 +272,37 @@ def test_triton_gemm_in_the_interpreter(element, shape, group):
 # --- the bf16-pair product (AVX-512 BF16) -----------------------------------------------------------------------
 
 
-def test_bf16_pair_product_takes_every_fp8_value_exactly():
-    """``fw-bf16`` reads each e4m3 byte as a bf16 through two byte tables and its sign: with one weight row per
-    byte value (subnormals, zeros and both signs; NaN left out) and x a one-hot row, each output is that weight
-    itself, times its row scale, exactly; rows of several tokens and a width with a tail agree with float64 to
-    float32's summation error."""
-    from fw_quant_fp8 import method
+@pytest.mark.parametrize("element", ["fp8", "int8"])
+def test_bf16_pair_product_takes_every_weight_value_exactly(element):
+    """``fw-bf16`` reads each e4m3 byte as a bf16 through two byte tables and its sign (an int8 one by conversion):
+    with one weight row per byte value (subnormals, zeros and both signs; NaN left out) and x a one-hot row, each
+    output is that weight itself, times its row scale, exactly; rows of several tokens and a width with a tail
+    agree with float64 to float32's summation error."""
+    from fw_quant_fp8 import int8, method
 
-    candidate = method.PRODUCT.candidates["fw-bf16"]
+    int8_weights = element == "int8"
+    op, dtype = (int8.WEIGHT_ONLY, torch.int8) if int8_weights else (method.PRODUCT, torch.float8_e4m3fn)
+    candidate = op.candidates["fw-bf16"]
     if not candidate.supports((1, 128, None, "bfloat16", "cpu")):
         pytest.skip("this CPU has no AVX-512 BF16 and VBMI (or no C++ compiler)")
-    values = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    values = torch.tensor([b for b in range(256) if int8_weights or b & 0x7F != 0x7F], dtype=torch.uint8)
     width = 130  # two 64-weight chunks and a tail of 2
     weight = torch.zeros(len(values), width, dtype=torch.uint8)
     weight[:, 67] = values  # in the second chunk's second half: the interleaved order is exercised
     scale = torch.full((len(values), 1), 0.5)
-    rows = method.QuantizedRows(weight.view(torch.float8_e4m3fn), scale, None)
     x = torch.zeros(1, width, dtype=torch.bfloat16)
     x[0, 67] = 1.0
-    out = torch.ops.fw_quant_fp8.fp8_gemv_bf16(x, weight, scale, None, True)
-    assert torch.equal(out[0], values.view(torch.float8_e4m3fn).float() * 0.5)
+    out = torch.ops.fw_quant_fp8.gemv_bf16(x, weight, scale, None, True, int8_weights)
+    assert torch.equal(out[0], values.view(dtype).float() * 0.5)
     gen = torch.Generator().manual_seed(0)
     weight = torch.randint(0, 256, (40, width), dtype=torch.uint8, generator=gen)
-    weight[(weight & 0x7F) == 0x7F] = 0
-    rows = method.QuantizedRows(weight.view(torch.float8_e4m3fn), torch.rand(40, 1, generator=gen), None)
+    if not int8_weights:
+        weight[(weight & 0x7F) == 0x7F] = 0
+    rows = method.QuantizedRows(weight.view(dtype), torch.rand(40, 1, generator=gen), None)
     for m in (1, 3, 9):
         x = torch.randn(m, width, generator=gen).bfloat16()
         expected = x.double() @ (rows.weight.double() * rows.scale.double()).T
-        logits = torch.ops.fw_quant_fp8.fp8_gemv_bf16(x, weight, rows.scale, None, True)
+        logits = torch.ops.fw_quant_fp8.gemv_bf16(x, weight, rows.scale, None, True, int8_weights)
         torch.testing.assert_close(logits.double(), expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
         # The linear layers' bf16 output, the bias added in the kernel: rounded twice, as .to(bf16) + bias did
         bias = torch.randn(40, generator=gen).bfloat16()

@@ -176,17 +176,35 @@ void interleave_bf16(const uint16_t* x, int64_t K, uint16_t* out) {
       }
 }
 
+// 64 weight bytes as bf16 words, two vectors of 32, and the order x must be in to meet them (kInterleaved: that
+// of interleave_bf16, else x's own). FP8 through the byte tables; int8 by conversion (exact: 8 bits fit bf16).
+struct Fp8Words {
+  static constexpr bool kInterleaved = true;
+  const Bf16Tables& t;
+  void operator()(__m512i b, __m512i& w0, __m512i& w1) const { t.words(b, w0, w1); }
+};
+
+struct Int8Words {
+  static constexpr bool kInterleaved = false;
+  void operator()(__m512i b, __m512i& w0, __m512i& w1) const {
+    __m512 f[4];
+    for (int i = 0; i < 4; ++i) f[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(b, i)));
+    w0 = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
+    w1 = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+  }
+};
+
 // Accumulators: the two halves of a 64-weight chunk apart, and for one or two rows even and odd chunks apart too,
 // so that no vdpbf16ps waits on the previous one (their latency, not the memory, bounded a single chain).
-template <int M>
-void dot_row_bf16(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K, const Bf16Tables& t, float* out) {
+template <int M, typename Words>
+void dot_row_bf16(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K, const Words& words, float* out) {
   constexpr int S = M <= 2 ? 2 : 1;
   __m512 acc[S][2][M];
   for (int s = 0; s < S; ++s)
     for (int m = 0; m < M; ++m) acc[s][0][m] = acc[s][1][m] = _mm512_setzero_ps();
   auto chunk = [&](int64_t k, __m512i b, __m512 (*a)[M]) {
     __m512i w0, w1;
-    t.words(b, w0, w1);
+    words(b, w0, w1);
     for (int m = 0; m < M; ++m) {
       const uint16_t* xm = x + m * ldx + k;
       a[0][m] = _mm512_dpbf16_ps(a[0][m], (__m512bh)_mm512_loadu_si512(xm), (__m512bh)w0);
@@ -213,10 +231,9 @@ void dot_row_bf16(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K, c
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 // FP8 or int8 weights at prefill sizes through AMX bf16 tiles. Each column pair's 32 weight rows are widened once per
-// call, exactly (FP8 through the byte tables of fp8_gemv_bf16), into AMX's right-hand tile layout: 16 pairs of input features x 16
-// columns, the layout of fw's dense blocks (fw/csrc/dense.cpp). Every 32-row tile of x then runs against them,
-// so the weight is read and widened once for all the rows; fp8_gemv_bf16, a row group at a time, took 6x bf16's
-// prefill time.
+// call, exactly, into AMX's right-hand tile layout: 16 pairs of input features x 16 columns, the layout of fw's
+// dense blocks (fw/csrc/dense.cpp). Every 32-row tile of x then runs against them, so the weight is read and
+// widened once for all the rows; gemv_bf16, a row group at a time, took 6x bf16's prefill time.
 constexpr int64_t kAmxRows = 32, kAmxDepth = 32, kCols = 16;
 
 // 16 rows of 16 32-bit lanes -> 16 columns: r[j] lane i = input r[i] lane j.
@@ -244,24 +261,14 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// 64 weight bytes as 64 bf16 values in order, two vectors of 32: FP8 through the byte tables (which interleave
-// words within 128-bit lanes, put back in order here), int8 by conversion (exact: 8 bits fit bf16's mantissa).
+// 64 weight bytes as 64 bf16 values in order (the words' order put back for FP8; int8's is already).
 struct Fp8Pairs {
-  const Bf16Tables& t;
+  Fp8Words words;
   void operator()(__m512i b, __m512i& first, __m512i& second) const {
     __m512i w0, w1;
-    t.words(b, w0, w1);
+    words(b, w0, w1);
     first = _mm512_permutex2var_epi64(w0, _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), w1);
     second = _mm512_permutex2var_epi64(w0, _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4), w1);
-  }
-};
-
-struct Int8Pairs {
-  void operator()(__m512i b, __m512i& first, __m512i& second) const {
-    __m512 f[4];
-    for (int i = 0; i < 4; ++i) f[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(b, i)));
-    first = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
-    second = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
   }
 };
 
@@ -300,8 +307,8 @@ at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& weight, const at::Ten
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(N % kCols == 0 && K % 64 == 0, "gemm_amx takes N a multiple of 16 and K of 64");
   static const Bf16Tables tables;
-  const Fp8Pairs fp8{tables};
-  const Int8Pairs int8_pairs;
+  const Fp8Pairs fp8{Fp8Words{tables}};
+  const Int8Words int8_pairs;
   const int64_t Mp = (M + kAmxRows - 1) / kAmxRows * kAmxRows, blocks = N / kCols;
   const auto xp = Mp == M ? x.contiguous() : at::constant_pad_nd(x, {0, 0, 0, Mp - M});
   const fw::bf16* xb = reinterpret_cast<const fw::bf16*>(xp.data_ptr());
@@ -384,39 +391,54 @@ bool has_bf16_dot() {
 
 // x bf16 [M, K]; weight: FP8 e4m3 bits [N, K] as uint8; scale float32 [N, 1] (a scale per row). Returns float32
 // [M, N] (float_out: the LM head's logits), or bf16 [M, N] plus the bias (fw::Outputs).
-at::Tensor fp8_gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                         const c10::optional<at::Tensor>& bias, bool float_out) {
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+template <typename Words>
+void gemv_words(const at::Tensor& x, const uint8_t* wp, const float* sp, int64_t N, const Words& words,
+                const fw::Outputs& out) {
+  constexpr int64_t kRows = 8;
+  const int64_t M = x.size(0), K = x.size(1), ldx = (K + 63) / 64 * 64;
+  const auto xc = x.contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  std::vector<uint16_t> xi(M * ldx, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    if constexpr (Words::kInterleaved) interleave_bf16(xp + m * K, K, xi.data() + m * ldx);
+    else std::memcpy(xi.data() + m * ldx, xp + m * K, K * sizeof(uint16_t));
+  }
+  using RowFn = void (*)(const uint16_t*, int64_t, const uint8_t*, int64_t, const Words&, float*);
+  static constexpr RowFn kDots[kRows] = {dot_row_bf16<1, Words>, dot_row_bf16<2, Words>, dot_row_bf16<3, Words>,
+                                         dot_row_bf16<4, Words>, dot_row_bf16<5, Words>, dot_row_bf16<6, Words>,
+                                         dot_row_bf16<7, Words>, dot_row_bf16<8, Words>};
+  for (int64_t m = 0; m < M; m += kRows) {
+    const int64_t rows = std::min(kRows, M - m);
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      float dot[kRows];
+      for (int64_t n = begin; n < end; ++n) {
+        kDots[rows - 1](xi.data() + m * ldx, ldx, wp + n * K, K, words, dot);
+        for (int64_t r = 0; r < rows; ++r) out.put(m + r, n, dot[r] * sp[n]);
+      }
+    });
+  }
+}
+#endif
+
+// x bf16 [M, K]; weight: FP8 e4m3 or int8 bits [N, K] as uint8; scale float32 [N, 1] (a scale per row). Returns
+// float32 [M, N] (float_out: the LM head's logits), or bf16 [M, N] plus the bias (fw::Outputs).
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& bias, bool float_out, bool int8) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1), "x [M, K] and weight [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bfloat16");
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0), "scale must be float32 [N, 1]");
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
   static const Bf16Tables tables;
-  constexpr int64_t kRows = 8;
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), ldx = (K + 63) / 64 * 64;
-  const auto xc = x.contiguous();
-  std::vector<uint16_t> xi(M * ldx);
-  for (int64_t m = 0; m < M; ++m)
-    interleave_bf16(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()) + m * K, K, xi.data() + m * ldx);
+  const int64_t M = x.size(0), N = weight.size(0);
   const fw::Outputs out(x, M, N, float_out ? at::kFloat : at::kBFloat16, bias);
-  using RowFn = void (*)(const uint16_t*, int64_t, const uint8_t*, int64_t, const Bf16Tables&, float*);
-  static constexpr RowFn kDots[kRows] = {dot_row_bf16<1>, dot_row_bf16<2>, dot_row_bf16<3>, dot_row_bf16<4>,
-                                         dot_row_bf16<5>, dot_row_bf16<6>, dot_row_bf16<7>, dot_row_bf16<8>};
-  const uint8_t* wp = weight.data_ptr<uint8_t>();
-  const float* sp = scale.contiguous().data_ptr<float>();
-  for (int64_t m = 0; m < M; m += kRows) {
-    const int64_t rows = std::min(kRows, M - m);
-    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-      float dot[kRows];
-      for (int64_t n = begin; n < end; ++n) {
-        kDots[rows - 1](xi.data() + m * ldx, ldx, wp + n * K, K, tables, dot);
-        for (int64_t r = 0; r < rows; ++r) out.put(m + r, n, dot[r] * sp[n]);
-      }
-    });
-  }
+  const auto sc = scale.contiguous();
+  if (int8) gemv_words(x, weight.data_ptr<uint8_t>(), sc.data_ptr<float>(), N, Int8Words{}, out);
+  else gemv_words(x, weight.data_ptr<uint8_t>(), sc.data_ptr<float>(), N, Fp8Words{tables}, out);
   return out.y;
 #else
-  TORCH_CHECK(false, "fp8_gemv_bf16: built without AVX-512 BF16 and VBMI (has_bf16_dot() is false)");
+  TORCH_CHECK(false, "gemv_bf16: built without AVX-512 BF16 and VBMI (has_bf16_dot() is false)");
 #endif
 }
 
@@ -427,8 +449,8 @@ TORCH_LIBRARY(fw_quant_fp8, m) {
   m.impl("fp8_gemv", c10::DispatchKey::CPU, TORCH_FN(gemv<Fp8>));
   m.def("int8_gemv(Tensor x, Tensor weight, Tensor scale, int group) -> Tensor");
   m.impl("int8_gemv", c10::DispatchKey::CPU, TORCH_FN(gemv<Int8>));
-  m.def("fp8_gemv_bf16(Tensor x, Tensor weight, Tensor scale, Tensor? bias, bool float_out) -> Tensor");
-  m.impl("fp8_gemv_bf16", c10::DispatchKey::CPU, TORCH_FN(fp8_gemv_bf16));
+  m.def("gemv_bf16(Tensor x, Tensor weight, Tensor scale, Tensor? bias, bool float_out, bool int8) -> Tensor");
+  m.impl("gemv_bf16", c10::DispatchKey::CPU, TORCH_FN(gemv_bf16));
   m.def("has_bf16_dot() -> bool", TORCH_FN(has_bf16_dot));
   m.def("gemm_amx(Tensor x, Tensor weight, Tensor scale, Tensor? bias, bool int8) -> Tensor");
   m.impl("gemm_amx", c10::DispatchKey::CPU, TORCH_FN(gemm_amx));
