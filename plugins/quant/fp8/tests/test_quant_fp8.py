@@ -10,6 +10,8 @@ with the reference activation quantization hooked in front of every quantized mo
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -355,3 +357,12 @@ def test_bf16_pair_product_runs_only_where_it_is_exact_and_built():
     assert candidate.supports(key) == ({"avx512_bf16", "avx512vbmi"} <= flags)
     assert not candidate.supports((64, 896, None, "float32", "cpu"))
     assert not candidate.supports((64, 896, 128, "bfloat16", "cpu"))
+    # int8 weights take the same kernels; AMX tiles where Linux (5.16 and later) grants them, 64 features a tile
+    from fw_quant_fp8 import int8
+
+    assert int8.WEIGHT_ONLY.candidates["fw-bf16"].supports(key) == candidate.supports(key)
+    linux = tuple(int(v) for v in re.match(r"(\d+)\.(\d+)", os.uname().release).groups())
+    amx = candidate.supports(key) and {"amx_tile", "amx_bf16"} <= flags and linux >= (5, 16)
+    for op in (method.PRODUCT, int8.WEIGHT_ONLY):
+        assert op.candidates["fw-amx"].supports(key) == amx
+        assert not op.candidates["fw-amx"].supports((64, 900, None, "bfloat16", "cpu"))
