@@ -138,31 +138,6 @@ inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
 
 #if defined(__AVX512BF16__)
 
-// 16 rows of 16 32-bit lanes -> 16 columns: r[j] lane i = input r[i] lane j.
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 16; i += 8) {
-    for (int j = 0; j < 4; ++j) {
-      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
-      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
-    }
-  }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-  }
-}
-
 // q.k for every query head of the group and every key position, with the bf16 pairwise dot-product
 // instruction (exact products, float32 sums). Keys go 16 positions at a time: transposed so that one
 // vector holds one pair of head dimensions of all 16, each query head then takes one instruction per
@@ -185,7 +160,7 @@ inline bool bf16_scores(const at::BFloat16* q, const at::BFloat16* kp, Slot slot
     for (int64_t c = 0; c < chunks; ++c) {
       __m512i cols[16];
       for (int i = 0; i < 16; ++i) cols[i] = _mm512_loadu_si512(rows[i] + 32 * c);
-      transpose16(cols);
+      fw::transpose16(cols);
       for (int p = 0; p < 16; ++p) {
         for (int64_t h = 0; h < group; ++h) {
           const __m512i qp = _mm512_set1_epi32(qpairs[(h * head_size) / 2 + 16 * c + p]);

@@ -236,30 +236,6 @@ void dot_row_bf16(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K, c
 // widened once for all the rows; gemv_bf16, a row group at a time, took 6x bf16's prefill time.
 constexpr int64_t kAmxRows = 32, kAmxDepth = 32, kCols = 16;
 
-// 16 rows of 16 32-bit lanes -> 16 columns: r[j] lane i = input r[i] lane j.
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int i = 0; i < 16; i += 8) {
-    for (int j = 0; j < 4; ++j) {
-      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
-      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
-    }
-  }
-  for (int j = 0; j < 8; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-  }
-}
 
 // 64 weight bytes as 64 bf16 values in order (the words' order put back for FP8; int8's is already).
 struct Fp8Pairs {
@@ -287,7 +263,7 @@ void widen_block(const uint8_t* w, int64_t K, const Widen& widen, uint32_t* tile
     for (int half = 0; half < 2; ++half) {
       __m512i r[16];
       for (int c = 0; c < 16; ++c) r[c] = _mm512_load_si512(stage[c] + 16 * half);
-      transpose16(r);
+      fw::transpose16(r);
       for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tiles + (k0 / 2 + 16 * half + p) * 16, r[p]);
     }
   }
