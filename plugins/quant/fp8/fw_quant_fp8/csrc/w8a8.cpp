@@ -201,8 +201,8 @@ at::Tensor w8a8_gemv_vnni(const at::Tensor& x, const at::Tensor& weight, const a
 // weight is kept for it, and several activation rows (batched decode, prefill) cost about what one does.
 constexpr int64_t kAmxDepth = 64, kAmxRows = 16;  // input features per tile multiply; activation rows per group
 
-// y [M, N] float32 = (x . W^T) * row_scale[m] * scale[n], from xt (ceil(M / 16) groups) and w int8 [N, K]; N a
-// multiple of 16, K of 64.
+// y [M, N] = (x . W^T) * row_scale[m] * scale[n] (fw::Outputs: the dtype and bias), from xt (ceil(M / 16) groups)
+// and w int8 [N, K]; N a multiple of 16, K of 64.
 void amx_w8a8(const int8_t* w, int64_t N, int64_t K, const int8_t* xt, int64_t M, const float* row_scale,
               const float* scale, const fw::Outputs& y) {
   const int64_t blocks = N / 16, groups = (M + kAmxRows - 1) / kAmxRows, group_bytes = K * kAmxRows;
