@@ -298,9 +298,11 @@ def _eight_bit_examples(op):
 
 def _int_examples(op):
     gen = torch.Generator().manual_seed(0)
-    # 4-bit in groups of 32; 8-bit in groups of 64 with a partial last group; irregular groups (torch only).
+    # 4-bit in groups of 32; 8-bit in groups of 64 with a partial last group (and of 128, a shape AMX tiles take);
+    # irregular groups (torch only).
     for bits, out_features, in_features, g_idx in ((4, 96, 64, torch.arange(64) // 32),
                                                    (8, 100, 96, torch.arange(96) // 64),
+                                                   (8, 48, 192, torch.arange(192) // 128),
                                                    (4, 48, 64, torch.randperm(64, generator=gen) % 3)):
         groups = int(g_idx.max()) + 1
         q = torch.randint(0, 1 << bits, (out_features, in_features), generator=gen, dtype=torch.uint8)
@@ -312,8 +314,9 @@ def _int_examples(op):
 
 
 def _attention_examples(op):
-    """Layers with GQA or not, a sliding window, a soft cap, each KV-cache dtype and several head sizes; decodes of requests with 1 to 90
-    tokens, prefill chunks over cached context. The weight is the layer's spec; the inputs come from real steps."""
+    """Layers with GQA or not, a sliding window, a soft cap, each KV-cache dtype and several head sizes; decodes of
+    requests with 1 to 90 tokens, prefill chunks over cached context. The weight is the layer's spec; the inputs come
+    from real steps."""
     backend = torch_attention.TorchAttention()
     for heads, kv_heads, head_size, window, cap, dtype, kv_cache_dtype in (
         (14, 2, 64, None, None, torch.bfloat16, "auto"), (6, 3, 48, 5, None, torch.float32, "auto"),
@@ -431,6 +434,33 @@ def test_fw_amx_over_several_groups_of_columns(cache, rows):
     out = candidate.run(candidate.prepare(weight), x, bias)
     ref = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=1e-2)
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_amx_takes_every_integer_in_its_group_and_column(cache, bits):
+    """fw-amx widens each 32 columns' integers into AMX tiles and scales each group's sums: with x one-hot rows at
+    features of both groups, every output is its own integer times its group's scale plus its offset, exactly, so a
+    misplaced feature, column or group shows; 40 rows pad to two 32-row tiles, 48 columns leave the last pair one
+    block."""
+    candidate = packed.PRODUCT.candidates["fw-amx"]
+    out_features, in_features, group = 48, 256, 128
+    g_idx = torch.arange(in_features) // group
+    features = [0, 5, 67, 130, 255]
+    q = torch.zeros(out_features, in_features, dtype=torch.uint8)
+    for f in features:
+        q[:, f] = (torch.arange(out_features) * 7 + f) % (1 << bits)
+    zero = torch.tensor([[0.0, 2.0]]).expand(out_features, 2).contiguous()  # an offset of -2 scales in group 1
+    columns = torch.arange(out_features)
+    scale = torch.stack([0.5 ** (columns % 3 + 1), 0.5 ** (columns % 2 + 2)], 1)  # powers of two: exact products
+    w = packed.repack(bits, q, zero, scale.half(), g_idx)
+    if not candidate.supports(packed.key(w, torch.bfloat16)):
+        pytest.skip("fw-amx needs AMX-BF16 tiles, which this CPU or kernel does not grant")
+    rows = [features[i % len(features)] for i in range(40)]
+    x = torch.zeros(40, in_features, dtype=torch.bfloat16)
+    x[torch.arange(40), rows] = 1.0
+    expected = torch.stack([q[:, f].float() * scale[:, 0] if f < group else (q[:, f].float() - 2.0) * scale[:, 1]
+                            for f in rows])
+    assert torch.equal(candidate.run(w, x), expected.bfloat16())
+
 
 def test_the_gptq_wide_kernels_are_offered_where_the_cpu_has_avx512(cache):
     """The GPTQ kernels in 512-bit vectors are candidates exactly where the build targets them: fw-avx512 (float

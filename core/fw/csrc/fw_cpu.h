@@ -142,6 +142,28 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
+// 16 weight rows, `stride` bytes apart, as bf16 pairs in AMX's right-hand tile layout (that of fw's dense blocks,
+// fw/csrc/dense.cpp): tiles[p * 16 + c] holds row c's input features 2p and 2p + 1; K a multiple of 64.
+// widen(p, first, second) reads the `step` bytes at p, 64 features, and gives them as bf16 in order, 32 a vector.
+template <typename Widen>
+void widen_tiles(const uint8_t* w, int64_t K, int64_t stride, int64_t step, const Widen& widen, uint32_t* tiles) {
+  alignas(64) uint32_t stage[16][32];  // 16 rows x 64 features as pairs
+  for (int64_t k0 = 0; k0 < K; k0 += 64) {
+    for (int c = 0; c < 16; ++c) {
+      __m512i first, second;
+      widen(w + c * stride + k0 / 64 * step, first, second);
+      _mm512_store_si512(stage[c], first);
+      _mm512_store_si512(stage[c] + 16, second);
+    }
+    for (int half = 0; half < 2; ++half) {
+      __m512i r[16];
+      for (int c = 0; c < 16; ++c) r[c] = _mm512_load_si512(stage[c] + 16 * half);
+      transpose16(r);
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tiles + (k0 / 2 + 16 * half + p) * 16, r[p]);
+    }
+  }
+}
+
 // exp(x) = 2^k 2^f with k = round(x log2 e), |f| <= 1/2: 2^f by its degree-6 Taylor polynomial in
 // f ln 2 (relative error below 2e-7), 2^k by scalef. Inputs below -87 give 0 as std::exp does.
 inline __m512 exp16(__m512 x) {

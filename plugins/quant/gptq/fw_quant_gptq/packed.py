@@ -133,6 +133,14 @@ def _native(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None, ker
     return out if bias is None else out + bias
 
 
+def _amx(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``int_gemm_amx``, which adds the bias itself."""
+    rows = x.numel() // x.shape[-1]
+    out = torch.ops.fw_quant_gptq.int_gemm_amx(x.reshape(rows, x.shape[-1]), w.q, w.scale, w.offset, w.bits,
+                                               w.group, bias)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 def _triton(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     from fw_quant_gptq.triton_gemm import int_gemm
 
@@ -150,6 +158,11 @@ PRODUCT.register(kernels.Candidate(
 PRODUCT.register(kernels.Candidate(
     "fw-avx512", lambda w, x, bias=None: _native(w, x, bias, "int_gemv_wide"),
     supports=lambda key: PRODUCT.candidates["fw"].supports(key) and torch.ops.fw_quant_gptq.has_wide()))
+# Prompts and batches through AMX bf16 tiles, the integers widened once per call for all the rows.
+PRODUCT.register(kernels.Candidate(
+    "fw-amx", _amx,
+    supports=lambda key: PRODUCT.candidates["fw"].supports(key) and key[4] == "bfloat16" and key[0] % 16 == 0
+    and key[1] % 64 == 0 and torch.ops.fw_quant_gptq.amx_supported()))
 PRODUCT.register(kernels.Candidate("torch", lambda w, x, bias=None: _product(w, x, bias, x.dtype)))
 PRODUCT.register(kernels.Candidate(
     "torch-fp32", lambda w, x, bias=None: _product(w, x, bias, torch.float32).to(x.dtype),

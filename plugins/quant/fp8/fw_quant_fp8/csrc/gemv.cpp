@@ -248,26 +248,6 @@ struct Fp8Pairs {
   }
 };
 
-// 16 weight rows (K bytes apart, K a multiple of 64) as bf16 pairs in tile layout: tiles[p * 16 + c] holds row c's
-// input features 2p and 2p + 1.
-template <typename Widen>
-void widen_block(const uint8_t* w, int64_t K, const Widen& widen, uint32_t* tiles) {
-  alignas(64) uint32_t stage[16][32];  // 16 rows x 64 features as pairs
-  for (int64_t k0 = 0; k0 < K; k0 += 64) {
-    for (int c = 0; c < 16; ++c) {
-      __m512i first, second;
-      widen(_mm512_loadu_si512(w + c * K + k0), first, second);
-      _mm512_store_si512(stage[c], first);
-      _mm512_store_si512(stage[c] + 16, second);
-    }
-    for (int half = 0; half < 2; ++half) {
-      __m512i r[16];
-      for (int c = 0; c < 16; ++c) r[c] = _mm512_load_si512(stage[c] + 16 * half);
-      fw::transpose16(r);
-      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tiles + (k0 / 2 + 16 * half + p) * 16, r[p]);
-    }
-  }
-}
 #endif
 
 // x bf16 [M, K] (K a multiple of 64); weight: FP8 e4m3 or int8 bits [N, K] (N a multiple of 16); scale float32
@@ -306,15 +286,21 @@ at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& weight, const at::Ten
         default: _tile_stored(3, buf, 64); break;
       }
       const __m512 s = _mm512_loadu_ps(sp + col0);
-      for (int64_t r = 0; r < 16 && row0 + r < M; ++r) out.put16(row0 + r, col0, _mm512_mul_ps(_mm512_load_ps(buf + r * kCols), s));
+      for (int64_t r = 0; r < 16 && row0 + r < M; ++r)
+        out.put16(row0 + r, col0, _mm512_mul_ps(_mm512_load_ps(buf + r * kCols), s));
     };
     for (int64_t g = begin; g < end; ++g) {
       const int64_t j = 2 * g, col = j * kCols;
       const bool two = j + 1 < blocks;
       for (int64_t b = 0; b < (two ? 2 : 1); ++b) {
         uint32_t* block_tiles = tiles.data() + b * K / 2 * kCols;
-        if (int8) widen_block(wp + (j + b) * kCols * K, K, int8_pairs, block_tiles);
-        else widen_block(wp + (j + b) * kCols * K, K, fp8, block_tiles);
+        const uint8_t* rows = wp + (j + b) * kCols * K;
+        if (int8) fw::widen_tiles(rows, K, K, 64, [&](const uint8_t* p, __m512i& a, __m512i& c) {
+          int8_pairs(_mm512_loadu_si512(p), a, c);
+        }, block_tiles);
+        else fw::widen_tiles(rows, K, K, 64, [&](const uint8_t* p, __m512i& a, __m512i& c) {
+          fp8(_mm512_loadu_si512(p), a, c);
+        }, block_tiles);
       }
       const uint32_t* w0 = tiles.data();
       const uint32_t* w1 = w0 + K / 2 * kCols;

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "fw_cpu.h"
 
@@ -474,6 +475,121 @@ at::Tensor int_gemv_a8_wide(const at::Tensor& x, const at::Tensor& q, const at::
 
 bool has_wide_a8() { return kHasWideA8; }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+// 64 input features of one row, 4-bit (two blocks) or 8-bit, as bf16 in order: integers below 256 are exact.
+inline void widen_ints(const uint8_t* p, int bits, __m512i& first, __m512i& second) {
+  __m128i v[4];
+  if (bits == 8) {
+    for (int i = 0; i < 4; ++i) v[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i));
+  } else {
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    for (int b = 0; b < 2; ++b) {
+      const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * b));
+      v[2 * b] = _mm_and_si128(w, mask), v[2 * b + 1] = _mm_and_si128(_mm_srli_epi16(w, 4), mask);
+    }
+  }
+  __m512 f[4];
+  for (int i = 0; i < 4; ++i) f[i] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v[i]));
+  first = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
+  second = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+}
+#endif
+
+// Prompts and batches through AMX bf16 tiles (float activations in bf16). Each 32 output rows' integers are widened
+// once per call, exactly, into tile layout; every 32-row tile of x runs against them a group at a time, and each
+// group's float32 sums are scaled into an accumulator (the scale changes every group); the offsets come from x's
+// group sums, as int_gemv's. x bf16 [M, K] (K a multiple of 64, group of 32), N a multiple of 16. Returns bf16 with
+// the bias (fw::Outputs).
+at::Tensor int_gemm_amx(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
+                        int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  constexpr int64_t kRowTile = 32, kDepth = 32, kCols = 16;
+  TORCH_CHECK(fw::amx_permitted(), "int_gemm_amx: the kernel did not grant AMX tiles to this process");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [rows, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = scale.size(1);
+  check_weight(q, scale, offset, K, bits, group);
+  TORCH_CHECK(N % kCols == 0 && K % 64 == 0, "int_gemm_amx takes N a multiple of 16 and K of 64");
+  const int64_t Mp = (M + kRowTile - 1) / kRowTile * kRowTile, blocks = N / kCols, stride = q.size(1);
+  const auto xp = Mp == M ? x.contiguous() : at::constant_pad_nd(x, {0, 0, 0, Mp - M});
+  // offsets: sum_g offset[n, g] gsum[m, g], one float32 product for the whole call
+  const auto xf = x.to(at::kFloat);
+  const auto gsum = at::constant_pad_nd(xf, {0, G * group - K}).view({M, G, group}).sum(-1);
+  const auto offsets = at::mm(gsum, offset.t()).contiguous();  // [M, N]
+  const auto scale_t = scale.t().contiguous();                  // [G, N]: 16 columns' scales of a group in a row
+  const float* op = offsets.data_ptr<float>();
+  const float* st = scale_t.data_ptr<float>();
+  const fw::bf16* xb = reinterpret_cast<const fw::bf16*>(xp.data_ptr());
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const fw::Outputs out(x, M, N, at::kBFloat16, bias);
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    fw::TileConfig config;  // every tile 16 rows of 64 bytes: C 0-3, A 4-5, B 6-7
+    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+    _tile_loadconfig(&config);
+    std::vector<uint32_t> tiles(K * kCols);  // the pair's two blocks, K / 2 pairs x 16 columns each
+    alignas(64) float buf[16 * kCols], acc[4][16 * kCols];
+    for (int64_t g0 = begin; g0 < end; ++g0) {
+      const int64_t j = 2 * g0;
+      const bool two = j + 1 < blocks;
+      auto widen = [&](const uint8_t* p, __m512i& a, __m512i& c) { widen_ints(p, static_cast<int>(bits), a, c); };
+      for (int64_t b = 0; b < (two ? 2 : 1); ++b)
+        fw::widen_tiles(qp + (j + b) * kCols * stride, K, stride, bits * 8, widen, tiles.data() + b * K / 2 * kCols);
+      const uint32_t* w0 = tiles.data();
+      const uint32_t* w1 = w0 + K / 2 * kCols;
+      for (int64_t m = 0; m < Mp; m += kRowTile) {
+        std::fill(&acc[0][0], &acc[0][0] + 4 * 16 * kCols, 0.f);
+        const fw::bf16* xm = xb + m * K;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t k1 = std::min(K, (g + 1) * group);
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+          for (int64_t k = g * group; k < k1; k += kDepth) {
+            _tile_loadd(4, xm + k, K * 2);
+            _tile_loadd(5, xm + 16 * K + k, K * 2);
+            _tile_loadd(6, w0 + k / 2 * kCols, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) {
+              _tile_loadd(7, w1 + k / 2 * kCols, 64);
+              _tile_dpbf16ps(1, 4, 7);
+              _tile_dpbf16ps(3, 5, 7);
+            }
+          }
+          for (int t = 0; t < (two ? 4 : 2); ++t) {  // C tile t: rows m + 16 (t / 2), block j + t % 2
+            switch (t) {
+              case 0: _tile_stored(0, buf, 64); break;
+              case 1: _tile_stored(2, buf, 64); break;
+              case 2: _tile_stored(1, buf, 64); break;
+              default: _tile_stored(3, buf, 64); break;
+            }
+            const __m512 sc = _mm512_loadu_ps(st + g * N + (j + t / 2) * kCols);
+            for (int r = 0; r < 16; ++r)
+              _mm512_store_ps(acc[t] + r * kCols,
+                              _mm512_fmadd_ps(_mm512_load_ps(buf + r * kCols), sc, _mm512_load_ps(acc[t] + r * kCols)));
+          }
+        }
+        for (int t = 0; t < (two ? 4 : 2); ++t) {
+          const int64_t row0 = m + 16 * (t % 2), col0 = (j + t / 2) * kCols;
+          for (int64_t r = 0; r < 16 && row0 + r < M; ++r)
+            out.put16(row0 + r, col0,
+                      _mm512_add_ps(_mm512_load_ps(acc[t] + r * kCols), _mm512_loadu_ps(op + (row0 + r) * N + col0)));
+        }
+      }
+    }
+    _tile_release();
+  });
+  return out.y;
+#else
+  TORCH_CHECK(false, "int_gemm_amx: built without AMX-BF16 (amx_supported() is false)");
+#endif
+}
+
+bool amx_supported() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  return fw::amx_permitted();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fw_quant_gptq, m) {
@@ -487,4 +603,7 @@ TORCH_LIBRARY(fw_quant_gptq, m) {
   m.def("int_gemv_a8_wide(Tensor x, Tensor q, Tensor scale, Tensor offset, int bits, int group) -> Tensor");
   m.impl("int_gemv_a8_wide", c10::DispatchKey::CPU, TORCH_FN(int_gemv_a8_wide));
   m.def("has_wide_a8() -> bool", TORCH_FN(has_wide_a8));
+  m.def("int_gemm_amx(Tensor x, Tensor q, Tensor scale, Tensor offset, int bits, int group, Tensor? bias) -> Tensor");
+  m.impl("int_gemm_amx", c10::DispatchKey::CPU, TORCH_FN(int_gemm_amx));
+  m.def("amx_supported() -> bool", TORCH_FN(amx_supported));
 }
