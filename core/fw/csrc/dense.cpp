@@ -105,9 +105,7 @@ void amx_product(const bf16* x, int64_t M, int64_t Mp, int64_t K, const bf16* w,
   const int64_t share = Mp >= 1024 ? int64_t(1) << 20 : int64_t(1) << 18;
   const int64_t group = std::max<int64_t>(1, share / (4 * block));
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    fw::TileConfig config;  // every tile 16 rows of 64 bytes: C 0-3, A 4-5, B 6-7
-    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
-    _tile_loadconfig(&config);
+    fw::configure_tiles();  // C 0-3, A 4-5, B 6-7
     alignas(64) float buf[16 * kCols];
     auto put = [&](int64_t row0, int64_t col0) {  // buf's rows into y (those below M), with the bias
       const __m512 b = bias ? _mm512_loadu_ps(bias + col0) : _mm512_setzero_ps();
@@ -126,18 +124,7 @@ void amx_product(const bf16* x, int64_t M, int64_t Mp, int64_t K, const bf16* w,
           const bool two = j + 1 < blocks;
           const bf16* w0 = w + j * block;
           _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-          for (int64_t k = 0; k < K; k += kAmxDepth) {
-            _tile_loadd(4, xm + k, K * 2);
-            _tile_loadd(5, xm + 16 * K + k, K * 2);
-            _tile_loadd(6, w0 + k * kCols, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(2, 5, 6);
-            if (two) {
-              _tile_loadd(7, w0 + block + k * kCols, 64);
-              _tile_dpbf16ps(1, 4, 7);
-              _tile_dpbf16ps(3, 5, 7);
-            }
-          }
+          fw::amx_bf16_steps(xm, K, w0, two ? w0 + block : nullptr, 0, K);
           const int64_t col = j * kCols;
           _tile_stored(0, buf, 64); put(m, col);
           _tile_stored(2, buf, 64); put(m + 16, col);

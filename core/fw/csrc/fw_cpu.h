@@ -29,6 +29,13 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+
+// This thread's tiles 0-7 as 16 rows of 64 bytes each, the shape every fw kernel uses.
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+}
 #endif
 
 using bf16 = uint16_t;  // raw bits
@@ -175,6 +182,29 @@ inline __m512 exp16(__m512 x) {
   __m512 p = _mm512_set1_ps(taylor[0]);
   for (int j = 1; j < 7; ++j) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(taylor[j]));
   return _mm512_scalef_ps(p, k);
+}
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// C tiles 0-3 += 32 rows of bf16 x (tiles 4 and 5: rows 0-15 and 16-31, K values a row) times one or two blocks
+// of 16 columns in AMX's right-hand layout (tiles 6 and 7: 16 pairs of input features x 16 columns, 1 KiB), over
+// input features [k0, k1), 32 at a time: C 0 = rows 0-15 x b0, 1 = rows 0-15 x b1, 2 = rows 16-31 x b0, 3 = rows
+// 16-31 x b1. b1 null: one block (tiles 1 and 3 untouched). Every tile configured as 16 rows of 64 bytes.
+inline void amx_bf16_steps(const bf16* x, int64_t K, const void* b0, const void* b1, int64_t k0, int64_t k1) {
+  const char* w0 = static_cast<const char*>(b0);
+  const char* w1 = static_cast<const char*>(b1);
+  for (int64_t k = k0; k < k1; k += 32) {  // 32 features: 16 pairs x 16 columns x 4 bytes = 32 k bytes in
+    _tile_loadd(4, x + k, K * 2);
+    _tile_loadd(5, x + 16 * K + k, K * 2);
+    _tile_loadd(6, w0 + k * 32, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (w1) {
+      _tile_loadd(7, w1 + k * 32, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
 }
 #endif
 

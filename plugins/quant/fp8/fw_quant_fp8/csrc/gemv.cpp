@@ -234,7 +234,7 @@ void dot_row_bf16(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K, c
 // call, exactly, into AMX's right-hand tile layout: 16 pairs of input features x 16 columns, the layout of fw's
 // dense blocks (fw/csrc/dense.cpp). Every 32-row tile of x then runs against them, so the weight is read and
 // widened once for all the rows; gemv_bf16, a row group at a time, took 6x bf16's prefill time.
-constexpr int64_t kAmxRows = 32, kAmxDepth = 32, kCols = 16;
+constexpr int64_t kAmxRows = 32, kCols = 16;
 
 
 // 64 weight bytes as 64 bf16 values in order (the words' order put back for FP8; int8's is already).
@@ -273,9 +273,7 @@ at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& weight, const at::Ten
   const float* sp = sc.data_ptr<float>();
   const fw::Outputs out(x, M, N, at::kBFloat16, bias);
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    fw::TileConfig config;  // every tile 16 rows of 64 bytes: C 0-3, A 4-5, B 6-7
-    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
-    _tile_loadconfig(&config);
+    fw::configure_tiles();  // C 0-3, A 4-5, B 6-7
     std::vector<uint32_t> tiles(2 * K / 2 * kCols);  // the pair's two blocks
     alignas(64) float buf[16 * kCols];
     auto put = [&](int tile, int64_t row0, int64_t col0) {  // a C tile, scaled per column, into y's rows < M
@@ -307,18 +305,7 @@ at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& weight, const at::Ten
       for (int64_t m = 0; m < Mp; m += kAmxRows) {
         const fw::bf16* xm = xb + m * K;
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int64_t k = 0; k < K; k += kAmxDepth) {
-          _tile_loadd(4, xm + k, K * 2);
-          _tile_loadd(5, xm + 16 * K + k, K * 2);
-          _tile_loadd(6, w0 + k / 2 * kCols, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(2, 5, 6);
-          if (two) {
-            _tile_loadd(7, w1 + k / 2 * kCols, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-        }
+        fw::amx_bf16_steps(xm, K, w0, two ? w1 : nullptr, 0, K);
         put(0, m, col);
         put(2, m + 16, col);
         if (two) {

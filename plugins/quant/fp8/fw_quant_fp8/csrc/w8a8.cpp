@@ -207,9 +207,7 @@ void amx_w8a8(const int8_t* w, int64_t N, int64_t K, const int8_t* xt, int64_t M
               const float* scale, const fw::Outputs& y) {
   const int64_t blocks = N / 16, groups = (M + kAmxRows - 1) / kAmxRows, group_bytes = K * kAmxRows;
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    fw::TileConfig config;  // every tile 16 rows of 64 bytes: C 0-3, A 4-5 (weight rows), B 6-7 (activations)
-    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
-    _tile_loadconfig(&config);
+    fw::configure_tiles();  // C 0-3, A 4-5 (weight rows), B 6-7 (activations)
     alignas(64) int32_t c[16][16];
     // One C tile's [n][m] into y's rows m0.. and columns n0..: the same final rounding as the other kernels
     auto put = [&](int tile, int64_t n0, int64_t m0) {

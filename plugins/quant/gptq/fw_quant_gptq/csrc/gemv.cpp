@@ -503,7 +503,7 @@ inline void widen_ints(const uint8_t* p, int bits, __m512i& first, __m512i& seco
 at::Tensor int_gemm_amx(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
                         int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-  constexpr int64_t kRowTile = 32, kDepth = 32, kCols = 16;
+  constexpr int64_t kRowTile = 32, kCols = 16;
   TORCH_CHECK(fw::amx_permitted(), "int_gemm_amx: the kernel did not grant AMX tiles to this process");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [rows, K]");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = scale.size(1);
@@ -522,9 +522,7 @@ at::Tensor int_gemm_amx(const at::Tensor& x, const at::Tensor& q, const at::Tens
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const fw::Outputs out(x, M, N, at::kBFloat16, bias);
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    fw::TileConfig config;  // every tile 16 rows of 64 bytes: C 0-3, A 4-5, B 6-7
-    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
-    _tile_loadconfig(&config);
+    fw::configure_tiles();  // C 0-3, A 4-5, B 6-7
     std::vector<uint32_t> tiles(K * kCols);  // the pair's two blocks, K / 2 pairs x 16 columns each
     alignas(64) float buf[16 * kCols], acc[4][16 * kCols];
     for (int64_t g0 = begin; g0 < end; ++g0) {
@@ -541,19 +539,8 @@ at::Tensor int_gemm_amx(const at::Tensor& x, const at::Tensor& q, const at::Tens
         for (int64_t g = 0; g < G; ++g) {
           const int64_t k1 = std::min(K, (g + 1) * group);
           _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-          for (int64_t k = g * group; k < k1; k += kDepth) {
-            _tile_loadd(4, xm + k, K * 2);
-            _tile_loadd(5, xm + 16 * K + k, K * 2);
-            _tile_loadd(6, w0 + k / 2 * kCols, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(2, 5, 6);
-            if (two) {
-              _tile_loadd(7, w1 + k / 2 * kCols, 64);
-              _tile_dpbf16ps(1, 4, 7);
-              _tile_dpbf16ps(3, 5, 7);
-            }
-          }
-          for (int t = 0; t < (two ? 4 : 2); ++t) {  // C tile t: rows m + 16 (t / 2), block j + t % 2
+          fw::amx_bf16_steps(xm, K, w0, two ? w1 : nullptr, g * group, k1);
+          for (int t = 0; t < (two ? 4 : 2); ++t) {  // rows m + 16 (t % 2) of block j + t / 2: C tiles 0, 2, 1, 3
             switch (t) {
               case 0: _tile_stored(0, buf, 64); break;
               case 1: _tile_stored(2, buf, 64); break;
