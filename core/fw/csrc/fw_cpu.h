@@ -36,6 +36,16 @@ inline void configure_tiles() {
   for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
   _tile_loadconfig(&config);
 }
+
+// Accumulator tile 0-3 into dst, 64 bytes a row (the tile number is an instruction immediate, hence the switch).
+inline void store_c_tile(int tile, void* dst) {
+  switch (tile) {
+    case 0: _tile_stored(0, dst, 64); break;
+    case 1: _tile_stored(1, dst, 64); break;
+    case 2: _tile_stored(2, dst, 64); break;
+    default: _tile_stored(3, dst, 64); break;
+  }
+}
 #endif
 
 using bf16 = uint16_t;  // raw bits
@@ -53,7 +63,6 @@ inline bf16 round_bf16(float f) {  // round to nearest even, as torch does; NaN 
   const uint32_t rounded = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
   return (u & 0x7fffffff) > 0x7f800000 ? bf16(0x7fc0) : bf16(rounded);
 }
-
 
 // Decode-step products stream each weight once from memory, not from cache: a model's weights outgrow the caches
 // between two uses. The hardware prefetcher alone left the cores waiting. Requesting the weight stream this far

@@ -236,7 +236,6 @@ void dot_row_bf16(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K, c
 // widened once for all the rows; gemv_bf16, a row group at a time, took 6x bf16's prefill time.
 constexpr int64_t kAmxRows = 32, kCols = 16;
 
-
 // 64 weight bytes as 64 bf16 values in order (the words' order put back for FP8; int8's is already).
 struct Fp8Pairs {
   Fp8Words words;
@@ -248,6 +247,13 @@ struct Fp8Pairs {
   }
 };
 
+// 16 weight rows of K bytes into tile layout, 64 bytes at a time through `pairs`.
+template <typename Pairs>
+void widen_rows(const uint8_t* rows, int64_t K, const Pairs& pairs, uint32_t* tiles) {
+  fw::widen_tiles(rows, K, K, 64, [&](const uint8_t* p, __m512i& a, __m512i& b) {
+    pairs(_mm512_loadu_si512(p), a, b);
+  }, tiles);
+}
 #endif
 
 // x bf16 [M, K] (K a multiple of 64); weight: FP8 e4m3 or int8 bits [N, K] (N a multiple of 16); scale float32
@@ -264,7 +270,6 @@ at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& weight, const at::Ten
   TORCH_CHECK(N % kCols == 0 && K % 64 == 0, "gemm_amx takes N a multiple of 16 and K of 64");
   static const Bf16Tables tables;
   const Fp8Pairs fp8{Fp8Words{tables}};
-  const Int8Words int8_pairs;
   const int64_t Mp = (M + kAmxRows - 1) / kAmxRows * kAmxRows, blocks = N / kCols;
   const auto xp = Mp == M ? x.contiguous() : at::constant_pad_nd(x, {0, 0, 0, Mp - M});
   const fw::bf16* xb = reinterpret_cast<const fw::bf16*>(xp.data_ptr());
@@ -274,15 +279,10 @@ at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& weight, const at::Ten
   const fw::Outputs out(x, M, N, at::kBFloat16, bias);
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     fw::configure_tiles();  // C 0-3, A 4-5, B 6-7
-    std::vector<uint32_t> tiles(2 * K / 2 * kCols);  // the pair's two blocks
+    std::vector<uint32_t> tiles(K * kCols);  // the pair's two blocks, K / 2 pairs x 16 columns each
     alignas(64) float buf[16 * kCols];
     auto put = [&](int tile, int64_t row0, int64_t col0) {  // a C tile, scaled per column, into y's rows < M
-      switch (tile) {
-        case 0: _tile_stored(0, buf, 64); break;
-        case 1: _tile_stored(1, buf, 64); break;
-        case 2: _tile_stored(2, buf, 64); break;
-        default: _tile_stored(3, buf, 64); break;
-      }
+      fw::store_c_tile(tile, buf);
       const __m512 s = _mm512_loadu_ps(sp + col0);
       for (int64_t r = 0; r < 16 && row0 + r < M; ++r)
         out.put16(row0 + r, col0, _mm512_mul_ps(_mm512_load_ps(buf + r * kCols), s));
@@ -291,14 +291,10 @@ at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& weight, const at::Ten
       const int64_t j = 2 * g, col = j * kCols;
       const bool two = j + 1 < blocks;
       for (int64_t b = 0; b < (two ? 2 : 1); ++b) {
-        uint32_t* block_tiles = tiles.data() + b * K / 2 * kCols;
         const uint8_t* rows = wp + (j + b) * kCols * K;
-        if (int8) fw::widen_tiles(rows, K, K, 64, [&](const uint8_t* p, __m512i& a, __m512i& c) {
-          int8_pairs(_mm512_loadu_si512(p), a, c);
-        }, block_tiles);
-        else fw::widen_tiles(rows, K, K, 64, [&](const uint8_t* p, __m512i& a, __m512i& c) {
-          fp8(_mm512_loadu_si512(p), a, c);
-        }, block_tiles);
+        uint32_t* block_tiles = tiles.data() + b * K / 2 * kCols;
+        if (int8) widen_rows(rows, K, Int8Words{}, block_tiles);
+        else widen_rows(rows, K, fp8, block_tiles);
       }
       const uint32_t* w0 = tiles.data();
       const uint32_t* w1 = w0 + K / 2 * kCols;
@@ -338,9 +334,8 @@ bool has_bf16_dot() {
 #endif
 }
 
-// x bf16 [M, K]; weight: FP8 e4m3 bits [N, K] as uint8; scale float32 [N, 1] (a scale per row). Returns float32
-// [M, N] (float_out: the LM head's logits), or bf16 [M, N] plus the bias (fw::Outputs).
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+// gemv_bf16 with one element's words.
 template <typename Words>
 void gemv_words(const at::Tensor& x, const uint8_t* wp, const float* sp, int64_t N, const Words& words,
                 const fw::Outputs& out) {

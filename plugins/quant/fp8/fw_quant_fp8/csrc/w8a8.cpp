@@ -163,8 +163,8 @@ at::Tensor w8a8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
                      const c10::optional<at::Tensor>& input_scale, const c10::optional<at::Tensor>& bias) {
   static constexpr std::array<RowFn, kMaxRows> kDots = {dot_row<1>, dot_row<2>, dot_row<3>, dot_row<4>};
   const int64_t K = x.size(-1);
-  return product<int16_t, 0, kMaxRows>(x, weight, scale, input_scale, bias, nullptr, (K + kLanes - 1) / kLanes * kLanes,
-                                       kDots);
+  return product<int16_t, 0, kMaxRows>(x, weight, scale, input_scale, bias, nullptr,
+                                       (K + kLanes - 1) / kLanes * kLanes, kDots);
 }
 
 bool has_vnni() {
@@ -211,12 +211,7 @@ void amx_w8a8(const int8_t* w, int64_t N, int64_t K, const int8_t* xt, int64_t M
     alignas(64) int32_t c[16][16];
     // One C tile's [n][m] into y's rows m0.. and columns n0..: the same final rounding as the other kernels
     auto put = [&](int tile, int64_t n0, int64_t m0) {
-      switch (tile) {
-        case 0: _tile_stored(0, c, 64); break;
-        case 1: _tile_stored(1, c, 64); break;
-        case 2: _tile_stored(2, c, 64); break;
-        default: _tile_stored(3, c, 64); break;
-      }
+      fw::store_c_tile(tile, c);
       for (int64_t m = m0; m < std::min(M, m0 + kAmxRows); ++m)
         for (int n = 0; n < 16; ++n) y.put(m, n0 + n, float(c[n][m - m0]) * row_scale[m] * scale[n0 + n]);
     };
@@ -290,7 +285,8 @@ at::Tensor w8a8_gemm_amx(const at::Tensor& x, const at::Tensor& weight, const at
     for (int64_t k = 0; k < K; k += 4) std::memcpy(dst + k * kAmxRows, q.data() + k, 4);
   }
   const fw::Outputs out(x, M, N, x.scalar_type(), bias);
-  amx_w8a8(weight.data_ptr<int8_t>(), N, K, xt.data(), M, row_scale.data(), scale.contiguous().data_ptr<float>(), out);
+  amx_w8a8(weight.data_ptr<int8_t>(), N, K, xt.data(), M, row_scale.data(), scale.contiguous().data_ptr<float>(),
+           out);
   return out.y;
 #else
   TORCH_CHECK(false, "w8a8_gemm_amx: built without AMX-INT8 (amx_supported() is false)");

@@ -525,10 +525,10 @@ at::Tensor int_gemm_amx(const at::Tensor& x, const at::Tensor& q, const at::Tens
     fw::configure_tiles();  // C 0-3, A 4-5, B 6-7
     std::vector<uint32_t> tiles(K * kCols);  // the pair's two blocks, K / 2 pairs x 16 columns each
     alignas(64) float buf[16 * kCols], acc[4][16 * kCols];
+    auto widen = [&](const uint8_t* p, __m512i& a, __m512i& c) { widen_ints(p, static_cast<int>(bits), a, c); };
     for (int64_t g0 = begin; g0 < end; ++g0) {
       const int64_t j = 2 * g0;
       const bool two = j + 1 < blocks;
-      auto widen = [&](const uint8_t* p, __m512i& a, __m512i& c) { widen_ints(p, static_cast<int>(bits), a, c); };
       for (int64_t b = 0; b < (two ? 2 : 1); ++b)
         fw::widen_tiles(qp + (j + b) * kCols * stride, K, stride, bits * 8, widen, tiles.data() + b * K / 2 * kCols);
       const uint32_t* w0 = tiles.data();
@@ -540,13 +540,8 @@ at::Tensor int_gemm_amx(const at::Tensor& x, const at::Tensor& q, const at::Tens
           const int64_t k1 = std::min(K, (g + 1) * group);
           _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
           fw::amx_bf16_steps(xm, K, w0, two ? w1 : nullptr, g * group, k1);
-          for (int t = 0; t < (two ? 4 : 2); ++t) {  // rows m + 16 (t % 2) of block j + t / 2: C tiles 0, 2, 1, 3
-            switch (t) {
-              case 0: _tile_stored(0, buf, 64); break;
-              case 1: _tile_stored(2, buf, 64); break;
-              case 2: _tile_stored(1, buf, 64); break;
-              default: _tile_stored(3, buf, 64); break;
-            }
+          for (int t = 0; t < (two ? 4 : 2); ++t) {  // acc[t]: rows m + 16 (t % 2) of block j + t / 2
+            fw::store_c_tile(t % 2 * 2 + t / 2, buf);  // C tile 0, 2, 1, 3
             const __m512 sc = _mm512_loadu_ps(st + g * N + (j + t / 2) * kCols);
             for (int r = 0; r < 16; ++r)
               _mm512_store_ps(acc[t] + r * kCols,
