@@ -298,9 +298,11 @@ def _eight_bit_examples(op):
 
 def _int_examples(op):
     gen = torch.Generator().manual_seed(0)
-    # 4-bit in groups of 32; 8-bit in groups of 64 with a partial last group (and of 128, a shape AMX tiles take);
+    # 4-bit in groups of 32, and of 128 with a last group of three blocks (two blocks a vector in fw-vnni512, one
+    # without a partner); 8-bit in groups of 64 with a partial last group (and of 128, a shape AMX tiles take);
     # irregular groups (torch only).
     for bits, out_features, in_features, g_idx in ((4, 96, 64, torch.arange(64) // 32),
+                                                   (4, 40, 224, torch.arange(224) // 128),
                                                    (8, 100, 96, torch.arange(96) // 64),
                                                    (8, 48, 192, torch.arange(192) // 128),
                                                    (4, 48, 64, torch.randperm(64, generator=gen) % 3)):

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "fw_cpu.h"
@@ -180,49 +181,48 @@ void dot_rows_a8(const int8_t* xq, const float* dx, const float* gsum, const Row
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// Two blocks' 64 integers as unsigned bytes in element order: 4-bit nibbles as they are, 8-bit as q itself (the
-// unsigned operand of vpdpbusd, so no sign trick and no shift). One block (`pair` false) fills the low half.
-inline __m512i block_pair_bytes(const uint8_t* q, int bits, bool pair) {
-  if (bits == 8)
-    return pair ? _mm512_loadu_si512(q) : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
-  if (!pair) return _mm512_zextsi256_si512(block_bytes(q, 4));
-  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), mask = _mm256_set1_epi8(0x0f);
-  const __m512i lohi = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(w, mask)),
-                                          _mm256_and_si256(_mm256_srli_epi16(w, 4), mask), 1);
-  // [lo0 lo1 hi0 hi1] (128-bit lanes) -> [lo0 hi0 lo1 hi1]: each block's elements 0-15, then 16-31
-  return _mm512_shuffle_i64x2(lohi, lohi, _MM_SHUFFLE(3, 1, 2, 0));
-}
-
 // dot_rows_a8 two blocks at a time in 512-bit vpdpbusd (AVX-512 VNNI: 64 byte products an instruction, against
-// maddubs' 32 and a second multiply-add), for int_gemv_a8_wide: the low eight int32 sums are the first block's,
-// the high eight the second's, each times its own activation scale.
+// maddubs' 32 and a second multiply-add), for int_gemv_a8_wide. The activations come laid out once per call in the
+// order the weights' bytes take (paired_activations), so a pair of 4-bit blocks becomes its 64 unsigned bytes in
+// two instructions: its 32 bytes in both halves of a vector, the upper half shifted by 4, and the nibble mask.
+// Lanes (128-bit): the low nibbles of block b and of b + 1, then their high nibbles (8-bit weights: b, then b + 1,
+// in element order). xw: 64 bytes a pair and row; dw: each int32 lane's activation scale, 16 floats a pair; a
+// group's last block without a partner has zeros in its partner's place.
 template <int M, int R>
-void dot_rows_a8_wide(const int8_t* xq, const float* dx, const float* gsum, const Rows& r, int bits, float* y,
-                      int64_t ldy, int64_t K) {
+void dot_rows_a8_wide(const int8_t* xw, const float* dw, int64_t pairs, const float* gsum, const Rows& r, int bits,
+                      float* y, int64_t ldy) {
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int i = 0; i < R; ++i) acc[m][i] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi8(0x0f), shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
   const int64_t bb = bits * 4;
+  int64_t p = 0;
   for (int64_t g = 0, b0 = 0; b0 < r.blocks; ++g, b0 += r.group_blocks) {
     const int64_t b1 = std::min(r.blocks, b0 + r.group_blocks);
     __m512 part[M][R];
     for (int m = 0; m < M; ++m)
       for (int i = 0; i < R; ++i) part[m][i] = _mm512_setzero_ps();
-    for (int64_t b = b0; b < b1; b += 2) {
+    for (int64_t b = b0; b < b1; b += 2, ++p) {
       const bool pair = b + 1 < b1;
       __m512i xb[M];
       __m512 d[M];
       for (int m = 0; m < M; ++m) {
-        const int8_t* xm = xq + m * K + b * kBlock;
-        const float* dm = dx + m * r.blocks + b;
-        xb[m] = pair ? _mm512_loadu_si512(xm) : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm)));
-        d[m] = pair ? _mm512_insertf32x8(_mm512_set1_ps(dm[0]), _mm256_set1_ps(dm[1]), 1)
-                    : _mm512_zextps256_ps512(_mm256_set1_ps(dm[0]));
+        xb[m] = _mm512_loadu_si512(xw + (m * pairs + p) * 64);
+        d[m] = _mm512_loadu_ps(dw + (m * pairs + p) * 16);
       }
       for (int i = 0; i < R; ++i) {
         const uint8_t* blk = r.q + i * r.stride + b * bb;
-        if (b * bb % 64 < 2 * bb) fw::prefetch_ahead(blk);  // once per cache line
-        const __m512i w = block_pair_bytes(blk, bits, pair);
+        // 8 KiB ahead, not 2: 96 layers of 4-bit weights streamed at one row went from 23.4 to 20.1 ms (AMX Xeon,
+        // model 207, interleaved in one process); 16 KiB gave 21.3
+        fw::prefetch_ahead<8192>(blk);
+        __m512i w;
+        if (bits == 8) {
+          w = pair ? _mm512_loadu_si512(blk) : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+        } else {
+          const __m512i both = pair ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)))
+                                    : _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+          w = _mm512_and_si512(_mm512_srlv_epi16(both, shift), mask);
+        }
         for (int m = 0; m < M; ++m)
           part[m][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xb[m])), d[m],
                                        part[m][i]);
@@ -233,9 +233,49 @@ void dot_rows_a8_wide(const int8_t* xq, const float* dx, const float* gsum, cons
       for (int m = 0; m < M; ++m) acc[m][i] = _mm512_fmadd_ps(part[m][i], s, acc[m][i]);
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int i = 0; i < R; ++i)
-      y[m * ldy + i] = _mm512_reduce_add_ps(acc[m][i]) + row_offsets(r, i, gsum + m * r.groups, 0.f);
+  for (int i = 0; i < R; ++i) {
+    // the offsets times the activations' group sums, 16 groups a step
+    __m512 off[M];
+    for (int m = 0; m < M; ++m) off[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < r.groups; g += 16) {
+      const __mmask16 live = r.groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (r.groups - g)) - 1);
+      const __m512 o = _mm512_maskz_loadu_ps(live, r.offset + i * r.groups + g);
+      for (int m = 0; m < M; ++m) off[m] = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(live, gsum + m * r.groups + g), off[m]);
+    }
+    for (int m = 0; m < M; ++m) y[m * ldy + i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][i], off[m]));
+  }
+}
+
+// x's int8 blocks (xq [M, K], scales dx [M, blocks]) in dot_rows_a8_wide's order: per row, the pairs of each group
+// in turn. Returns the number of pairs a row.
+int64_t paired_activations(const int8_t* xq, const float* dx, int64_t M, int64_t K, int64_t group_blocks, int bits,
+                           std::vector<int8_t>& xw, std::vector<float>& dw) {
+  const int64_t blocks = K / kBlock;
+  int64_t pairs = 0;
+  for (int64_t b0 = 0; b0 < blocks; b0 += group_blocks) pairs += (std::min(blocks - b0, group_blocks) + 1) / 2;
+  xw.assign(M * pairs * 64, 0);
+  dw.assign(M * pairs * 16, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    int64_t p = 0;
+    for (int64_t b0 = 0; b0 < blocks; b0 += group_blocks)
+      for (int64_t b = b0, b1 = std::min(blocks, b0 + group_blocks); b < b1; b += 2, ++p) {
+        int8_t* out = xw.data() + (m * pairs + p) * 64;
+        float* d = dw.data() + (m * pairs + p) * 16;
+        for (int64_t h = 0; h < 2 && b + h < b1; ++h) {
+          const int8_t* in = xq + m * K + (b + h) * kBlock;
+          if (bits == 8) {
+            std::memcpy(out + 32 * h, in, kBlock);
+            std::fill(d + 8 * h, d + 8 * h + 8, dx[m * blocks + b + h]);
+          } else {  // elements 0-15 to lane h, 16-31 to lane h + 2
+            std::memcpy(out + 16 * h, in, 16);
+            std::memcpy(out + 32 + 16 * h, in + 16, 16);
+            std::fill(d + 4 * h, d + 4 * h + 4, dx[m * blocks + b + h]);
+            std::fill(d + 8 + 4 * h, d + 12 + 4 * h, dx[m * blocks + b + h]);
+          }
+        }
+      }
+  }
+  return pairs;
 }
 #endif
 #else
@@ -390,47 +430,22 @@ bool has_wide() {
 #endif
 }
 
-// The int8-activation kernel of one width (dot_rows_a8, or dot_rows_a8_wide where the build has AVX-512 VNNI).
-template <bool Wide>
-struct KernelsA8 {
-  template <int M, int R>
-  static void run(const int8_t* xq, const float* dx, const float* gsum, const Rows& r, int bits, float* y,
-                  int64_t ldy, int64_t K) {
-    dot_rows_a8<M, R>(xq, dx, gsum, r, bits, y, ldy, K);
-  }
+// x rounded to int8 blocks: each block of 32 values times dx = absmax / 127, the integers rounded half to even
+// (fw.layers.linear.int_blocks is the same rounding in torch), and per row and group the sum over its blocks of
+// dx times sum(xq), for the offsets.
+struct IntBlocks {
+  at::Tensor xq, dx, gsum;
 };
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-constexpr bool kHasWideA8 = true;
-template <>
-struct KernelsA8<true> {
-  template <int M, int R>
-  static void run(const int8_t* xq, const float* dx, const float* gsum, const Rows& r, int bits, float* y,
-                  int64_t ldy, int64_t K) {
-    dot_rows_a8_wide<M, R>(xq, dx, gsum, r, bits, y, ldy, K);
-  }
-};
-#else
-constexpr bool kHasWideA8 = false;
-#endif
 
-// As int_gemv, with x rounded to int8 blocks first: each block of 32 values times dx = absmax / 127, the
-// integers rounded half to even (fw.layers.linear.int_blocks is the same rounding in torch).
-template <bool Wide>
-at::Tensor int_gemv_a8_impl(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                            const at::Tensor& offset, int64_t bits, int64_t group) {
-  TORCH_CHECK(!Wide || kHasWideA8, "int_gemv_a8_wide: built without AVX-512 VNNI (has_wide_a8() is false)");
-  using A8 = KernelsA8<Wide && kHasWideA8>;
+IntBlocks int_blocks(const at::Tensor& x, int64_t group, int64_t G) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = scale.size(1), blocks = K / kBlock;
-  check_weight(q, scale, offset, K, bits, group);
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / kBlock;
   auto xf = x.to(at::kFloat).contiguous();
-  auto xq = at::empty({M, K}, xf.options().dtype(at::kChar));
-  auto dx = at::empty({M, blocks}, xf.options());
-  // Per row and group: the sum over its blocks of dx times sum(xq), for the offsets.
-  auto gsum = at::zeros({M, G}, xf.options());
+  IntBlocks out{at::empty({M, K}, xf.options().dtype(at::kChar)), at::empty({M, blocks}, xf.options()),
+                at::zeros({M, G}, xf.options())};
   const float* xp = xf.data_ptr<float>();
-  int8_t* qp = xq.data_ptr<int8_t>();
-  float *dp = dx.data_ptr<float>(), *gp = gsum.data_ptr<float>();
+  int8_t* qp = out.xq.data_ptr<int8_t>();
+  float *dp = out.dx.data_ptr<float>(), *gp = out.gsum.data_ptr<float>();
   for (int64_t mb = 0; mb < M * blocks; ++mb) {
     const float* xb = xp + mb * kBlock;
     float amax = 0.f;
@@ -444,14 +459,25 @@ at::Tensor int_gemv_a8_impl(const at::Tensor& x, const at::Tensor& q, const at::
     dp[mb] = d;
     gp[(mb / blocks) * G + (mb % blocks) * kBlock / group] += d * sum;
   }
-  auto y = at::empty({M, N}, xf.options());
+  return out;
+}
+
+// As int_gemv, with x rounded to int8 blocks first (int_blocks).
+at::Tensor int_gemv_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
+                       int64_t bits, int64_t group) {
+  const int64_t K = x.size(-1), N = q.size(0), G = scale.size(1), blocks = K / kBlock;
+  check_weight(q, scale, offset, K, bits, group);
+  const IntBlocks a = int_blocks(x, group, G);
+  const int64_t M = a.xq.size(0);
+  auto y = at::empty({M, N}, a.dx.options());
   using Fn = void (*)(const int8_t*, const float*, const float*, const Rows&, int, float*, int64_t, int64_t);
-  static constexpr Fn kOne[kMaxRows] = {A8::template run<1, 1>, A8::template run<2, 1>, A8::template run<3, 1>,
-                                        A8::template run<4, 1>, A8::template run<5, 1>, A8::template run<6, 1>,
-                                        A8::template run<7, 1>, A8::template run<8, 1>};
-  static constexpr Fn kMany[kMaxRows] = {A8::template run<1, rows_for(1)>, A8::template run<2, rows_for(2)>,
-                                         A8::template run<3, 1>, A8::template run<4, 1>, A8::template run<5, 1>,
-                                         A8::template run<6, 1>, A8::template run<7, 1>, A8::template run<8, 1>};
+  static constexpr Fn kOne[kMaxRows] = {dot_rows_a8<1, 1>, dot_rows_a8<2, 1>, dot_rows_a8<3, 1>, dot_rows_a8<4, 1>,
+                                        dot_rows_a8<5, 1>, dot_rows_a8<6, 1>, dot_rows_a8<7, 1>, dot_rows_a8<8, 1>};
+  static constexpr Fn kMany[kMaxRows] = {dot_rows_a8<1, rows_for(1)>, dot_rows_a8<2, rows_for(2)>, dot_rows_a8<3, 1>,
+                                         dot_rows_a8<4, 1>, dot_rows_a8<5, 1>, dot_rows_a8<6, 1>, dot_rows_a8<7, 1>,
+                                         dot_rows_a8<8, 1>};
+  const int8_t* qp = a.xq.data_ptr<int8_t>();
+  const float *dp = a.dx.data_ptr<float>(), *gp = a.gsum.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   tiles(M, N, [&](int64_t m, int rows, int64_t n, bool many) {
     const Rows r{q.data_ptr<uint8_t>() + n * q.size(1), scale.data_ptr<float>() + n * G,
@@ -462,18 +488,48 @@ at::Tensor int_gemv_a8_impl(const at::Tensor& x, const at::Tensor& q, const at::
   return y.to(x.scalar_type());
 }
 
-at::Tensor int_gemv_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
-                       int64_t bits, int64_t group) {
-  return int_gemv_a8_impl<false>(x, q, scale, offset, bits, group);
-}
-
 // int_gemv_a8 in 512-bit VNNI products where the build has them: its own candidate, as int_gemv_wide is.
 at::Tensor int_gemv_a8_wide(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                             const at::Tensor& offset, int64_t bits, int64_t group) {
-  return int_gemv_a8_impl<true>(x, q, scale, offset, bits, group);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  const int64_t K = x.size(-1), N = q.size(0), G = scale.size(1), blocks = K / kBlock;
+  check_weight(q, scale, offset, K, bits, group);
+  const IntBlocks a = int_blocks(x, group, G);
+  const int64_t M = a.xq.size(0);
+  std::vector<int8_t> xw;
+  std::vector<float> dw;
+  const int64_t pairs = paired_activations(a.xq.data_ptr<int8_t>(), a.dx.data_ptr<float>(), M, K, group / kBlock,
+                                           static_cast<int>(bits), xw, dw);
+  auto y = at::empty({M, N}, a.dx.options());
+  using Fn = void (*)(const int8_t*, const float*, int64_t, const float*, const Rows&, int, float*, int64_t);
+  static constexpr Fn kOne[kMaxRows] = {dot_rows_a8_wide<1, 1>, dot_rows_a8_wide<2, 1>, dot_rows_a8_wide<3, 1>,
+                                        dot_rows_a8_wide<4, 1>, dot_rows_a8_wide<5, 1>, dot_rows_a8_wide<6, 1>,
+                                        dot_rows_a8_wide<7, 1>, dot_rows_a8_wide<8, 1>};
+  static constexpr Fn kMany[kMaxRows] = {dot_rows_a8_wide<1, rows_for(1)>, dot_rows_a8_wide<2, rows_for(2)>,
+                                         dot_rows_a8_wide<3, 1>, dot_rows_a8_wide<4, 1>, dot_rows_a8_wide<5, 1>,
+                                         dot_rows_a8_wide<6, 1>, dot_rows_a8_wide<7, 1>, dot_rows_a8_wide<8, 1>};
+  const float* gp = a.gsum.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  tiles(M, N, [&](int64_t m, int rows, int64_t n, bool many) {
+    const Rows r{q.data_ptr<uint8_t>() + n * q.size(1), scale.data_ptr<float>() + n * G,
+                 offset.data_ptr<float>() + n * G, q.size(1), G, blocks, group / kBlock};
+    (many ? kMany : kOne)[rows - 1](xw.data() + m * pairs * 64, dw.data() + m * pairs * 16, pairs, gp + m * G, r,
+                                    static_cast<int>(bits), yp + m * N + n, N);
+  });
+  return y.to(x.scalar_type());
+#else
+  TORCH_CHECK(false, "int_gemv_a8_wide: built without AVX-512 VNNI (has_wide_a8() is false)");
+#endif
 }
 
-bool has_wide_a8() { return kHasWideA8; }
+bool has_wide_a8() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 // 64 input features of one row, 4-bit (two blocks) or 8-bit, as bf16 in order: integers below 256 are exact.
