@@ -26,6 +26,14 @@ struct Rows {
   const float* scale;
   const float* offset;
   int64_t stride, groups, blocks, group_blocks;
+
+  // Output rows from n of a weight (check_weight's tensors): K input features in groups of `group`.
+  static Rows at(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset, int64_t K, int64_t group,
+                 int64_t n) {
+    const int64_t G = scale.size(1);
+    return {q.data_ptr<uint8_t>() + n * q.size(1), scale.data_ptr<float>() + n * G, offset.data_ptr<float>() + n * G,
+            q.size(1), G, K / kBlock, group / kBlock};
+  }
 };
 
 // Output rows per call for M activation rows: as many as the 16 vector registers hold.
@@ -377,7 +385,7 @@ template <bool Wide>
 at::Tensor int_gemv_impl(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
                     int64_t bits, int64_t group) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = scale.size(1), blocks = K / kBlock;
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = scale.size(1);
   check_weight(q, scale, offset, K, bits, group);
   auto xf = x.to(at::kFloat).contiguous();
   auto gsum = at::zeros({M, G}, xf.options());  // each row's sum over each group
@@ -403,8 +411,7 @@ at::Tensor int_gemv_impl(const at::Tensor& x, const at::Tensor& q, const at::Ten
                                          Kernels<kWide>::template one<7>, Kernels<kWide>::template one<8>};
   float* yp = y.data_ptr<float>();
   tiles(M, N, [&](int64_t m, int rows, int64_t n, bool many) {
-    const Rows r{q.data_ptr<uint8_t>() + n * q.size(1), scale.data_ptr<float>() + n * G,
-                 offset.data_ptr<float>() + n * G, q.size(1), G, blocks, group / kBlock};
+    const Rows r = Rows::at(q, scale, offset, K, group, n);
     (many ? kMany : kOne)[rows - 1](xp + m * K, gp + m * G, r, static_cast<int>(bits), yp + m * N + n, N, K);
   });
   return y.to(x.scalar_type());
@@ -496,8 +503,7 @@ at::Tensor int_gemv_a8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const float *dp = a.dx.data_ptr<float>(), *gp = a.gsum.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   tiles(M, N, [&](int64_t m, int rows, int64_t n, bool many) {
-    const Rows r{q.data_ptr<uint8_t>() + n * q.size(1), scale.data_ptr<float>() + n * G,
-                 offset.data_ptr<float>() + n * G, q.size(1), G, blocks, group / kBlock};
+    const Rows r = Rows::at(q, scale, offset, K, group, n);
     (many ? kMany : kOne)[rows - 1](qp + m * K, dp + m * blocks, gp + m * G, r, static_cast<int>(bits),
                                     yp + m * N + n, N, K);
   });
@@ -508,7 +514,7 @@ at::Tensor int_gemv_a8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 at::Tensor int_gemv_a8_wide(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                             const at::Tensor& offset, int64_t bits, int64_t group) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  const int64_t K = x.size(-1), N = q.size(0), G = scale.size(1), blocks = K / kBlock;
+  const int64_t K = x.size(-1), N = q.size(0), G = scale.size(1);
   check_weight(q, scale, offset, K, bits, group);
   const IntBlocks a = int_blocks(x, group, G);
   const int64_t M = a.xq.size(0);
@@ -527,8 +533,7 @@ at::Tensor int_gemv_a8_wide(const at::Tensor& x, const at::Tensor& q, const at::
   const float* gp = a.gsum.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   tiles(M, N, [&](int64_t m, int rows, int64_t n, bool many) {
-    const Rows r{q.data_ptr<uint8_t>() + n * q.size(1), scale.data_ptr<float>() + n * G,
-                 offset.data_ptr<float>() + n * G, q.size(1), G, blocks, group / kBlock};
+    const Rows r = Rows::at(q, scale, offset, K, group, n);
     (many ? kMany : kOne)[rows - 1](xw.data() + m * pairs * 64, dw.data() + m * pairs * 16, pairs, gp + m * G, r,
                                     static_cast<int>(bits), yp + m * N + n, N);
   });
@@ -545,7 +550,6 @@ bool has_wide_a8() {
   return false;
 #endif
 }
-
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 // 64 input features of one row, 4-bit (two blocks) or 8-bit, as bf16 in order: integers below 256 are exact.
