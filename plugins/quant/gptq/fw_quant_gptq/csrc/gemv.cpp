@@ -202,7 +202,8 @@ void dot_rows_a8_wide(const int8_t* xw, const float* dw, int64_t pairs, const fl
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int i = 0; i < R; ++i) acc[m][i] = _mm512_setzero_ps();
-  const __m512i mask = _mm512_set1_epi8(0x0f), shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  const __m512i shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);  // upper half by 4
   const int64_t bb = bits * 4;
   int64_t p = 0;
   for (int64_t g = 0, b0 = 0; b0 < r.blocks; ++g, b0 += r.group_blocks) {
@@ -225,7 +226,8 @@ void dot_rows_a8_wide(const int8_t* xw, const float* dw, int64_t pairs, const fl
         fw::prefetch_ahead<8192>(blk);
         __m512i w;
         if (bits == 8) {
-          w = pair ? _mm512_loadu_si512(blk) : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+          w = pair ? _mm512_loadu_si512(blk)
+                   : _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
         } else {
           const __m512i both = pair ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)))
                                     : _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
@@ -248,7 +250,8 @@ void dot_rows_a8_wide(const int8_t* xw, const float* dw, int64_t pairs, const fl
     for (int64_t g = 0; g < r.groups; g += 16) {
       const __mmask16 live = r.groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (r.groups - g)) - 1);
       const __m512 o = _mm512_maskz_loadu_ps(live, r.offset + i * r.groups + g);
-      for (int m = 0; m < M; ++m) off[m] = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(live, gsum + m * r.groups + g), off[m]);
+      for (int m = 0; m < M; ++m)
+        off[m] = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(live, gsum + m * r.groups + g), off[m]);
     }
     for (int m = 0; m < M; ++m) y[m * ldy + i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][i], off[m]));
   }
@@ -438,7 +441,7 @@ bool has_wide() {
 }
 
 // x rounded to int8 blocks: each block of 32 values times dx = absmax / 127, the integers rounded half to even
-// (fw.layers.linear.int_blocks is the same rounding in torch), and per row and group the sum over its blocks of
+// (fw.sdk.linear.int_block_rounded is the same rounding in torch), and per row and group the sum over its blocks of
 // dx times sum(xq), for the offsets.
 struct IntBlocks {
   at::Tensor xq, dx, gsum;
