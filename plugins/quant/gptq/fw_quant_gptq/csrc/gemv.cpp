@@ -42,9 +42,21 @@ constexpr int rows_for(int M) { return M == 1 ? 4 : M == 2 ? 2 : 1; }
 // Row i's offsets times the activations' group sums (gsum of one activation row): sum_g (offset_g + shift scale_g)
 // gsum_g, where `shift` is what the kernel took from every integer (128 for 8-bit weights as signed bytes).
 inline float row_offsets(const Rows& r, int i, const float* gsum, float shift) {
+  const float *offset = r.offset + i * r.groups, *scale = r.scale + i * r.groups;
+#if defined(__AVX512F__)
+  __m512 off = _mm512_setzero_ps();  // 16 groups a step: a down projection's row has 38
+  for (int64_t g = 0; g < r.groups; g += 16) {
+    const __mmask16 live = r.groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (r.groups - g)) - 1);
+    const __m512 o = _mm512_fmadd_ps(_mm512_set1_ps(shift), _mm512_maskz_loadu_ps(live, scale + g),
+                                     _mm512_maskz_loadu_ps(live, offset + g));
+    off = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(live, gsum + g), off);
+  }
+  return _mm512_reduce_add_ps(off);
+#else
   float off = 0.f;
-  for (int64_t g = 0; g < r.groups; ++g) off += (r.offset[i * r.groups + g] + shift * r.scale[i * r.groups + g]) * gsum[g];
+  for (int64_t g = 0; g < r.groups; ++g) off += (offset[g] + shift * scale[g]) * gsum[g];
   return off;
+#endif
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -243,18 +255,9 @@ void dot_rows_a8_wide(const int8_t* xw, const float* dw, int64_t pairs, const fl
       for (int m = 0; m < M; ++m) acc[m][i] = _mm512_fmadd_ps(part[m][i], s, acc[m][i]);
     }
   }
-  for (int i = 0; i < R; ++i) {
-    // the offsets times the activations' group sums, 16 groups a step
-    __m512 off[M];
-    for (int m = 0; m < M; ++m) off[m] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < r.groups; g += 16) {
-      const __mmask16 live = r.groups - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (r.groups - g)) - 1);
-      const __m512 o = _mm512_maskz_loadu_ps(live, r.offset + i * r.groups + g);
-      for (int m = 0; m < M; ++m)
-        off[m] = _mm512_fmadd_ps(o, _mm512_maskz_loadu_ps(live, gsum + m * r.groups + g), off[m]);
-    }
-    for (int m = 0; m < M; ++m) y[m * ldy + i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][i], off[m]));
-  }
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < R; ++i)
+      y[m * ldy + i] = _mm512_reduce_add_ps(acc[m][i]) + row_offsets(r, i, gsum + m * r.groups, 0.f);
 }
 
 // x's int8 blocks (xq [M, K], scales dx [M, blocks]) in dot_rows_a8_wide's order: per row, the pairs of each group
