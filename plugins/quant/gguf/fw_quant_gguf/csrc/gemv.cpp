@@ -110,6 +110,8 @@ void span_scales(const uint8_t* blk, int64_t n, float* d, float* m) {
   const __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32(bb));
   for (int64_t i = 0; i < n; i += kRun, blk += kRun * bb) {
+    // The first pass over these rows: a gather waits on each cold line in turn unless they are requested ahead.
+    for (int64_t off = 0; off < kRun * bb; off += 64) fw::prefetch_ahead(blk + off);
     const __mmask16 live = n - i >= kRun ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
     const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, index, blk, 1);
     _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
