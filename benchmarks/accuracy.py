@@ -15,7 +15,8 @@ for 32 tokens (end-of-sequence ignored, so every path is compared on all 32) by:
 - with ``--quant NAME[:ACTIVATIONS][,OPTION=VALUE...]``, fw in bf16 with that quant plugin quantizing the random
   model at load (``quant.activations`` = ACTIVATIONS, e.g. ``int8:dynamic`` for W8A8; other plugin options
   after commas, e.g. ``fp8,lm_head=true`` for an FP8 head too, ``int8:dynamic,layers=lm_head`` for an int8 head
-  on an otherwise bf16 model);
+  on an otherwise bf16 model; ``gptq`` for the random model rounded to 4 bits in groups of 128 ahead, beside it
+  as ``<model>-gptq``, e.g. ``gptq:int8,lm_head=true,lm_head_bits=4``);
 - llama.cpp on the same GGUF file, where ``peers/setup.sh llamacpp`` has installed it (not installed here
   by this script: it builds for 10-15 minutes).
 
@@ -74,6 +75,11 @@ def fw_worker(model: str | None, dtype: str, quant: str | None, out: Path) -> No
     name, _, activations = plugin.partition(":")
     options = dict(setting.split("=", 1) for setting in settings) | ({"activations": activations} if activations else {})
     options = {"quant": options} if options else {}
+    if name == "gptq":  # the plugin reads checkpoints quantized ahead: the random model's, 4-bit in groups of 128
+        from fw_quant_gptq.testing import write_checkpoint
+
+        gptq = Path(f"{model}-gptq")
+        model = str(gptq if gptq.exists() else write_checkpoint(Path(model), gptq, group=128))
     llm = LLM(model, dtype=dtype, quant=name, plugin_options=options, max_model_len=1024, max_num_seqs=len(PROMPTS))
     engine = llm.llm_engine
     first: dict[str, torch.Tensor] = {}

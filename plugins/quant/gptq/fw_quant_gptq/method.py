@@ -21,7 +21,7 @@ from fw.sdk.errors import ModelLoadError
 from fw.sdk.linear import UnquantizedLinearMethod
 from fw.sdk.moe import UnquantizedMoEMethod, run_experts
 from fw_quant_gptq.formats import Scheme, Schemes, decode, in_features
-from fw_quant_gptq.packed import Product, repack, round_rows8
+from fw_quant_gptq.packed import Product, repack, round_rows
 
 
 def _leaves(scheme: Scheme, out: int, width: int) -> dict[str, tuple[tuple[int, ...], torch.dtype, int, int | None]]:
@@ -207,5 +207,5 @@ class IntMethod(QuantMethod):
     def get_logits_method(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
         if self.options is None or not self.options.lm_head:
             return None
-        product = Product(round_rows8(weight), torch.float32, self.int8)
+        product = Product(round_rows(weight, self.options.lm_head_bits), torch.float32, self.int8)
         return lambda hidden: product(hidden.float())

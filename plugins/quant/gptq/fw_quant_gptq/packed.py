@@ -73,18 +73,19 @@ def repack(bits: int, q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, 
                      (-scale.float() * zero.float()).contiguous(), g_idx, width if regular else None, perm)
 
 
-def round_rows8(weight: torch.Tensor, group: int = 128) -> IntWeight:
-    """A float weight [N, K] rounded to 8 bits, symmetric (zero point 128), a scale per row and ``group`` input
-    features (``BLOCK`` where K is not a multiple of ``group``)."""
+def round_rows(weight: torch.Tensor, bits: int = 8, group: int = 128) -> IntWeight:
+    """A float weight [N, K] rounded to ``bits`` (8 or 4), symmetric (zero point 128 or 8: levels -127..127 or
+    -7..7), a scale per row and ``group`` input features (``BLOCK`` where K is not a multiple of ``group``)."""
     n, k = weight.shape
     group = group if k % group == 0 else BLOCK
     if k % group:
-        raise ModelLoadError(f"{k} input features: an 8-bit head needs a multiple of {BLOCK}")
+        raise ModelLoadError(f"{k} input features: a rounded head needs a multiple of {BLOCK}")
+    levels, zero = (1 << (bits - 1)) - 1, 1 << (bits - 1)
     blocks = weight.float().reshape(n, k // group, group)
-    scale = (blocks.abs().amax(dim=-1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-    q = (blocks / scale[..., None]).round().clamp(-127, 127) + 128
+    scale = (blocks.abs().amax(dim=-1) / levels).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (blocks / scale[..., None]).round().clamp(-levels, levels) + zero
     g_idx = torch.arange(k, device=weight.device) // group
-    return repack(8, q.reshape(n, k).to(torch.uint8), torch.full_like(scale, 128.0), scale, g_idx)
+    return repack(bits, q.reshape(n, k).to(torch.uint8), torch.full_like(scale, float(zero)), scale, g_idx)
 
 
 def unpack_rows(w: IntWeight, rows: slice) -> torch.Tensor:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 from test_models import PagedRunner, reference_logits
 
 from conftest import assert_experts_match, fw_greedy, hf_greedy, load_layers
@@ -468,25 +469,26 @@ def test_checkpoints_written_and_read_by_the_reference_tools(path):
     assert [o.outputs[0].token_ids for o in outs] == [reference[f"greedy.{i}"].tolist() for i in range(2)]
 
 
-# --- the LM head, rounded to 8 bits only when asked ------------------------------------------------------------
+# --- the LM head, rounded to 8 or 4 bits only when asked ------------------------------------------------------
 
 
-@pytest.mark.parametrize("activations", ["none", "int8"])
+@pytest.mark.parametrize("activations, bits", [("none", 8), ("int8", 8), ("int8", 4)])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_lm_head_is_rounded_to_8_bits_only_when_asked(activations, tied, tmp_path):
+def test_lm_head_is_rounded_only_when_asked(activations, bits, tied, tmp_path):
     plain = make_tiny_model("Qwen2ForCausalLM", tmp_path / "plain", tie_word_embeddings=tied)
     path = intq.write_checkpoint(plain, tmp_path / "gptq")
     config = model_registry.read_hf_config(str(path))["quantization_config"]
     table = dict(iter_safetensors(plain))["model.embed_tokens.weight" if tied else "lm_head.weight"]
     assert load_layers(path, IntMethod(IntOptions(), config)).lm_head.quantized is None  # the default: float
-    model = load_layers(path, IntMethod(IntOptions(lm_head=True, activations=activations), config))
+    options = {"lm_head": True, "activations": activations, "lm_head_bits": bits}
+    model = load_layers(path, IntMethod(IntOptions(**options), config))
     hidden = torch.randn(3, table.shape[1], generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = model.compute_logits(hidden)
     assert logits.dtype == torch.float32
-    # Symmetric 8-bit in groups of 32 here (64 input features: not a multiple of 128).
+    # Symmetric in groups of 32 here (64 input features: not a multiple of 128), levels -127..127 or -7..7.
     groups = table.reshape(table.shape[0], -1, 32)
-    scale = groups.abs().amax(-1, keepdim=True) / 127
+    scale = groups.abs().amax(-1, keepdim=True) / ((1 << (bits - 1)) - 1)
     rounded = ((groups / scale).round() * scale).reshape(table.shape)
     inputs = hidden if activations == "none" else int_block_rounded(hidden)
     torch.testing.assert_close(logits, inputs @ rounded.T, rtol=1e-5, atol=1e-5)
@@ -495,5 +497,12 @@ def test_lm_head_is_rounded_to_8_bits_only_when_asked(activations, tied, tmp_pat
         assert torch.equal(model.model.embed_tokens.weight, table)
     else:  # the float head is gone: its memory is the point
         assert not hasattr(model.lm_head, "weight")
-    tokens = fw_greedy(path, quant="gptq", plugin_options={"quant": {"lm_head": True, "activations": activations}})
+    tokens = fw_greedy(path, quant="gptq", plugin_options={"quant": options})
     assert [len(t) for t in tokens] == [16, 16]
+
+
+def test_lm_head_bits_needs_a_rounded_head():
+    with pytest.raises(ValidationError, match="set lm_head=true"):
+        IntOptions(lm_head_bits=4)
+    with pytest.raises(ValidationError, match="8 or 4, not 3"):
+        IntOptions(lm_head=True, lm_head_bits=3)
