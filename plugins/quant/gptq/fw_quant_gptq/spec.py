@@ -23,8 +23,9 @@ class IntOptions(BaseModel):
     )
     lm_head: bool = Field(
         False,
-        description="Also round the LM head, which GPTQ and AWQ checkpoints leave in float, to 8 bits at load "
-        "(symmetric, a scale per 128 input features) and multiply it with this plugin's 8-bit product: float32 "
+        description="Also round the LM head, which GPTQ and AWQ checkpoints leave in float, to 8 bits (or "
+        "lm_head_bits) at load (symmetric, a scale per 128 input features) and multiply it with this plugin's "
+        "product: float32 "
         "logits, its activations rounded to int8 too where activations is int8; a tied embedding keeps its float "
         "table for the lookup. Off by default, as in vLLM: the head's rounding moves the logits most, and on a CPU "
         "it halves the largest matrix a small model reads every decode step.",
