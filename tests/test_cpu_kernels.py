@@ -281,3 +281,29 @@ def test_native_kv_store_matches_the_torch_writes(layer_kernels, monkeypatch, dt
     assert torch.equal(fast.view(2, -1, 2, 16)[:, 1], start.view(2, -1, 2, 16)[:, 1])  # an untouched slot
     with pytest.raises(RuntimeError, match="slot out of range"):
         torch.ops.fw_layers.store_kv(fast, torch.tensor([48]), k[:1], v[:1])
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size", "window", "cap"),
+                         [(14, 2, 64, None, None), (16, 1, 64, 30, None), (4, 4, 32, None, 30.0), (12, 2, 128, 9, None),
+                          (6, 3, 48, None, None)])
+@pytest.mark.parametrize(("context", "chunk"), [(0, 128), (37, 100), (5, 9), (70, 1)])
+@pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [(torch.bfloat16, "auto"), (torch.float32, "auto"),
+                                                       (torch.float16, "int8"), (torch.bfloat16, "fp8")])
+def test_native_prefill_is_a_decode_of_each_token(native_kernel, heads, kv_heads, head_size, window, cap, context,
+                                                  chunk, dtype, kv_cache_dtype):
+    """``paged_prefill`` attends each token of a chunk as ``paged_decode`` attends a request of that token's length,
+    bit for bit (its sums add the same terms in the same order; the positions past a token's own weigh 0): fresh
+    prompts and chunks over cached context, ragged lengths, windows, a soft cap, head sizes with and without the
+    bf16 fast path (48: the generic one), each query dtype and KV-cache format."""
+    from fw_attention_torch import backend as torch_attention
+
+    layer = AttentionLayerSpec(heads, kv_heads, head_size, head_size**-0.5, window, logits_soft_cap=cap,
+                               k_scale=0.5 if kv_cache_dtype == "fp8" else 1.0)
+    backend = TorchAttention()
+    spec = backend.kv_cache_spec(layer, 16, dtype, kv_cache_dtype)
+    q, cache, metadata = backend._sample(layer, dtype, torch.empty(spec.shape(1), dtype=spec.dtype), [context],
+                                         [chunk], prefill=chunk > 1)
+    out = torch_attention._native_prefill(layer, q, cache, torch_attention._Chunk(
+        torch.empty(0), None, metadata.batch.block_tables[0], context))
+    rows = torch_attention._native_decode(layer, q, cache, torch_attention._decode_rows(metadata.batch))
+    assert torch.equal(out, rows)

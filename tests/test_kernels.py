@@ -338,8 +338,7 @@ def _attention_examples(op):
                 q, cache, metadata = backend._sample(layer, dtype, like, [37 * i % 90 for i in range(rows)], [1] * rows)
                 return q, cache, metadata.decodes
             q, cache, metadata = backend._sample(layer, dtype, like, [rows // 2 + 3], [rows], prefill=True)
-            first_key, mask = metadata.prefill_mask(0, layer.sliding_window)
-            return q, cache, metadata.prefills[0].key_slots[first_key:], mask
+            return q, cache, metadata.chunk(0, layer.sliding_window)
 
         yield layer, sample, ()
 
@@ -386,7 +385,8 @@ def test_every_candidate_matches_the_reference_on_every_row_class(op_name):
 # The native candidates every CPU with a compiler runs.
 NATIVE = {"dense.linear": {"fw-plain", "fw-gemm"}, "dense.logits": {"fw-plain"}, "gguf.linear": {"fw"}, "gguf.linear.a8": {"fw"}, "fp8.linear": {"fw"},
           "int.linear": {"fw"}, "int.linear.a8": {"fw"}, "int8.linear": {"fw"}, "int8.linear.a8": {"fw"},
-          "fp8.linear.a8": {"fw"}, "fp8.logits": {"fw"}, "int8.logits": {"fw"}, "attention.decode": {"fw"}}
+          "fp8.linear.a8": {"fw"}, "fp8.logits": {"fw"}, "int8.logits": {"fw"}, "attention.decode": {"fw"},
+          "attention.prefill": {"fw"}}
 
 
 def _key(op_name: str, weight, sample) -> tuple:
