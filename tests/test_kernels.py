@@ -466,10 +466,12 @@ def test_gptq_amx_takes_every_integer_in_its_group_and_column(cache, bits):
 
 def test_the_gptq_wide_kernels_are_offered_where_the_cpu_has_avx512(cache):
     """The GPTQ kernels in 512-bit vectors are candidates exactly where the build targets them: fw-avx512 (float
-    activations) with AVX-512, fw-vnni512 (int8 activations) with AVX-512 VNNI."""
+    activations) with AVX-512, fw-vnni512 (int8 activations) with AVX-512 VNNI, fw-bf16 (prompts through the dense
+    kernel's bf16 tiles) with AVX512-BF16."""
     flags = set(cpuinfo.read_text().split()) if (cpuinfo := Path("/proc/cpuinfo")).exists() else set()
     for op_name, wide, needs in (("int.linear", "fw-avx512", {"avx512f"}),
-                                 ("int.linear.a8", "fw-vnni512", {"avx512_vnni", "avx512bw"})):
+                                 ("int.linear.a8", "fw-vnni512", {"avx512_vnni", "avx512bw"}),
+                                 ("int.linear", "fw-bf16", {"avx512_bf16"})):
         op = kernels.operations()[op_name]
         weight = next(_int_examples(op))[0]
         names = {c.name for c in op.supported(packed.key(weight, torch.bfloat16))}

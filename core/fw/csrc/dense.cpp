@@ -23,65 +23,7 @@ namespace {
 
 using fw::bf16;
 
-#if defined(__AVX512BF16__)
-constexpr int64_t kCols = 16, kTileCols = 3, kTileRows = 8;
-
-inline void store16(bf16* y, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v)); }
-inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
-
-// y[rows, cols] (+)= x[rows, K] . W^T for `rows` <= kTileRows and `nb` <= kTileCols column blocks.
-template <int MR, int NB, typename Out>
-inline void tile(const bf16* x, int64_t ldx, const bf16* w, int64_t K, const float* bias, Out* y, int64_t ldy) {
-  __m512 acc[MR][NB];
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NB; ++j) acc[m][j] = bias ? _mm512_loadu_ps(bias + j * kCols) : _mm512_setzero_ps();
-  const int64_t pairs = K / 2, block = pairs * 2 * kCols;  // elements per column block
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh b[NB];
-    for (int j = 0; j < NB; ++j) b[j] = (__m512bh)_mm512_loadu_si512(w + j * block + p * 2 * kCols);
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + m * ldx + 2 * p));
-      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b[j], a);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NB; ++j) store16(y + m * ldy + j * kCols, acc[m][j]);
-}
-
-template <int NB, typename Out>
-void row_tiles(const bf16* x, int64_t M, int64_t K, const bf16* w, const float* bias, Out* y, int64_t N) {
-  int64_t m = 0;
-  for (; m + kTileRows <= M; m += kTileRows) tile<kTileRows, NB>(x + m * K, K, w, K, bias, y + m * N, N);
-  const bf16* xr = x + m * K;
-  Out* yr = y + m * N;
-  switch (M - m) {  // the last rows
-    case 7: tile<7, NB>(xr, K, w, K, bias, yr, N); break;
-    case 6: tile<6, NB>(xr, K, w, K, bias, yr, N); break;
-    case 5: tile<5, NB>(xr, K, w, K, bias, yr, N); break;
-    case 4: tile<4, NB>(xr, K, w, K, bias, yr, N); break;
-    case 3: tile<3, NB>(xr, K, w, K, bias, yr, N); break;
-    case 2: tile<2, NB>(xr, K, w, K, bias, yr, N); break;
-    case 1: tile<1, NB>(xr, K, w, K, bias, yr, N); break;
-    default: break;
-  }
-}
-
-template <typename Out>
-void packed_product(const bf16* xp, int64_t M, int64_t K, const bf16* wp, const float* bp, Out* yp, int64_t N) {
-  const int64_t blocks = N / kCols, groups = (blocks + kTileCols - 1) / kTileCols;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t first = g * kTileCols, nb = std::min(kTileCols, blocks - first);
-      const bf16* w = wp + first * K * kCols;
-      const float* b = bp ? bp + first * kCols : nullptr;
-      Out* out = yp + first * kCols;
-      if (nb == 3) row_tiles<3>(xp, M, K, w, b, out, N);
-      else if (nb == 2) row_tiles<2>(xp, M, K, w, b, out, N);
-      else row_tiles<1>(xp, M, K, w, b, out, N);
-    }
-  });
-}
-#endif
+constexpr int64_t kCols = fw::kPairCols;
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // AMX (Sapphire Rapids and later): the same pair-interleaved blocks are AMX's layout of a right-hand tile as they
@@ -189,8 +131,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   const bf16* xp = reinterpret_cast<const bf16*>(xc.data_ptr());
   const bf16* wp = reinterpret_cast<const bf16*>(weight.data_ptr());
   const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  if (float_out) packed_product(xp, M, K, wp, bp, y.data_ptr<float>(), N);
-  else packed_product(xp, M, K, wp, bp, reinterpret_cast<bf16*>(y.data_ptr()), N);
+  auto blocks = [&](int64_t first, int64_t) { return wp + first * K * kCols; };
+  if (float_out) fw::pair_product(xp, M, K, blocks, bp, y.data_ptr<float>(), N);
+  else fw::pair_product(xp, M, K, blocks, bp, reinterpret_cast<bf16*>(y.data_ptr()), N);
   return y;
 #else
   TORCH_CHECK(false, "fw_dense.linear needs AVX512-BF16");

@@ -2,8 +2,10 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -160,16 +162,16 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// 16 weight rows, `stride` bytes apart, as bf16 pairs in AMX's right-hand tile layout (that of fw's dense blocks,
-// fw/csrc/dense.cpp): tiles[p * 16 + c] holds row c's input features 2p and 2p + 1; K a multiple of 64.
-// widen(p, first, second) reads the `step` bytes at p, 64 features, and gives them as bf16 in order, 32 a vector.
+// 16 weight rows as bf16 pairs in AMX's right-hand tile layout (that of fw's dense blocks, kPairCols above):
+// tiles[p * 16 + c] holds row c's input features 2p and 2p + 1; K a multiple of 64. widen(c, k0, first, second)
+// gives row c's features k0 .. k0 + 63 as bf16 in order, 32 a vector.
 template <typename Widen>
-void widen_tiles(const uint8_t* w, int64_t K, int64_t stride, int64_t step, const Widen& widen, uint32_t* tiles) {
+void widen_tiles(int64_t K, const Widen& widen, uint32_t* tiles) {
   alignas(64) uint32_t stage[16][32];  // 16 rows x 64 features as pairs
   for (int64_t k0 = 0; k0 < K; k0 += 64) {
     for (int c = 0; c < 16; ++c) {
       __m512i first, second;
-      widen(w + c * stride + k0 / 64 * step, first, second);
+      widen(c, k0, first, second);
       _mm512_store_si512(stage[c], first);
       _mm512_store_si512(stage[c] + 16, second);
     }
@@ -216,6 +218,75 @@ inline void amx_bf16_steps(const bf16* x, int64_t K, const void* b0, const void*
       _tile_dpbf16ps(3, 5, 7);
     }
   }
+}
+#endif
+
+// Weights in pair-interleaved 16-column blocks, [N / 16, K / 2, 16, 2]: for every 16 output columns and pair of
+// input features one 64-byte vector, which the AVX-512 bf16 dot-product instruction multiplies by one broadcast
+// pair of activations (fw/sdk/dense.py packs a bf16 weight so; quant kernels widen their weights into it for
+// prompts).
+constexpr int64_t kPairCols = 16;
+
+#if defined(__AVX512BF16__)
+constexpr int64_t kPairBlocks = 3, kPairRows = 8;  // a register tile: column blocks x rows
+
+inline void store16(bf16* y, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v)); }
+inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
+
+// y[MR, NB * 16] = x[MR, K] . W^T (+ bias) for NB blocks of w, K / 2 pairs each.
+template <int MR, int NB, typename Out>
+inline void pair_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t K, const float* bias, Out* y, int64_t ldy) {
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = bias ? _mm512_loadu_ps(bias + j * kPairCols) : _mm512_setzero_ps();
+  const int64_t pairs = K / 2, block = pairs * 2 * kPairCols;  // elements per column block
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh b[NB];
+    for (int j = 0; j < NB; ++j) b[j] = (__m512bh)_mm512_loadu_si512(w + j * block + p * 2 * kPairCols);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + m * ldx + 2 * p));
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b[j], a);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) store16(y + m * ldy + j * kPairCols, acc[m][j]);
+}
+
+template <int NB, typename Out>
+void pair_row_tiles(const bf16* x, int64_t M, int64_t K, const bf16* w, const float* bias, Out* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + kPairRows <= M; m += kPairRows) pair_tile<kPairRows, NB>(x + m * K, K, w, K, bias, y + m * N, N);
+  const bf16* xr = x + m * K;
+  Out* yr = y + m * N;
+  switch (M - m) {  // the last rows
+    case 7: pair_tile<7, NB>(xr, K, w, K, bias, yr, N); break;
+    case 6: pair_tile<6, NB>(xr, K, w, K, bias, yr, N); break;
+    case 5: pair_tile<5, NB>(xr, K, w, K, bias, yr, N); break;
+    case 4: pair_tile<4, NB>(xr, K, w, K, bias, yr, N); break;
+    case 3: pair_tile<3, NB>(xr, K, w, K, bias, yr, N); break;
+    case 2: pair_tile<2, NB>(xr, K, w, K, bias, yr, N); break;
+    case 1: pair_tile<1, NB>(xr, K, w, K, bias, yr, N); break;
+    default: break;
+  }
+}
+
+// y [M, N] = x [M, K] . W^T (+ bias), in parallel over groups of kPairBlocks column blocks: `blocks(first, count)`
+// gives the pair-interleaved weights of blocks first .. first + count - 1, contiguous (a thread's own buffer, if
+// it builds them).
+template <typename Out, typename Blocks>
+void pair_product(const bf16* x, int64_t M, int64_t K, const Blocks& blocks, const float* bias, Out* y, int64_t N) {
+  const int64_t count = N / kPairCols, groups = (count + kPairBlocks - 1) / kPairBlocks;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t first = g * kPairBlocks, nb = std::min(kPairBlocks, count - first);
+      const bf16* w = blocks(first, nb);
+      const float* b = bias ? bias + first * kPairCols : nullptr;
+      Out* out = y + first * kPairCols;
+      if (nb == 3) pair_row_tiles<3>(x, M, K, w, b, out, N);
+      else if (nb == 2) pair_row_tiles<2>(x, M, K, w, b, out, N);
+      else pair_row_tiles<1>(x, M, K, w, b, out, N);
+    }
+  });
 }
 #endif
 

@@ -250,8 +250,8 @@ struct Fp8Pairs {
 // 16 weight rows of K bytes into tile layout, 64 bytes at a time through `pairs`.
 template <typename Pairs>
 void widen_rows(const uint8_t* rows, int64_t K, const Pairs& pairs, uint32_t* tiles) {
-  fw::widen_tiles(rows, K, K, 64, [&](const uint8_t* p, __m512i& a, __m512i& b) {
-    pairs(_mm512_loadu_si512(p), a, b);
+  fw::widen_tiles(K, [&](int c, int64_t k0, __m512i& a, __m512i& b) {
+    pairs(_mm512_loadu_si512(rows + c * K + k0), a, b);
   }, tiles);
 }
 #endif

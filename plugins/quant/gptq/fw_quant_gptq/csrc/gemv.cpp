@@ -607,12 +607,15 @@ at::Tensor int_gemm_amx(const at::Tensor& x, const at::Tensor& q, const at::Tens
     fw::configure_tiles();  // C 0-3, A 4-5, B 6-7
     std::vector<uint32_t> tiles(K * kCols);  // the pair's two blocks, K / 2 pairs x 16 columns each
     alignas(64) float buf[16 * kCols], acc[4][16 * kCols];
-    auto widen = [&](const uint8_t* p, __m512i& a, __m512i& c) { widen_ints(p, static_cast<int>(bits), a, c); };
     for (int64_t g0 = begin; g0 < end; ++g0) {
       const int64_t j = 2 * g0;
       const bool two = j + 1 < blocks;
-      for (int64_t b = 0; b < (two ? 2 : 1); ++b)
-        fw::widen_tiles(qp + (j + b) * kCols * stride, K, stride, bits * 8, widen, tiles.data() + b * K / 2 * kCols);
+      for (int64_t b = 0; b < (two ? 2 : 1); ++b) {
+        const uint8_t* rows = qp + (j + b) * kCols * stride;
+        fw::widen_tiles(K, [&](int c, int64_t k0, __m512i& lo, __m512i& hi) {
+          widen_ints(rows + c * stride + k0 * bits / 8, static_cast<int>(bits), lo, hi);
+        }, tiles.data() + b * K / 2 * kCols);
+      }
       const uint32_t* w0 = tiles.data();
       const uint32_t* w1 = w0 + K / 2 * kCols;
       for (int64_t m = 0; m < Mp; m += kRowTile) {
@@ -646,6 +649,64 @@ at::Tensor int_gemm_amx(const at::Tensor& x, const at::Tensor& q, const at::Tens
 #endif
 }
 
+// Prompts and batches on CPUs with AVX512-BF16 (without AMX too): each thread takes 48 output rows at a time,
+// dequantizes their weights (q * scale + offset in float32, rounded to bf16, as the torch candidate's bf16 copy)
+// into the pair-interleaved blocks of fw's dense kernel, in its own buffer, and runs every row of x against them
+// in that kernel's register tiles (fw::pair_product): the bf16 copy of the weight never exists whole, and each
+// block of it is built once per call for all of x's rows. x bf16 [M, K] (K a multiple of 64), N a multiple of 16.
+// Returns bf16 [M, N], the bias added before rounding.
+at::Tensor int_gemm_bf16(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
+                         int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [rows, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = scale.size(1), stride = q.size(1);
+  check_weight(q, scale, offset, K, bits, group);
+  TORCH_CHECK(N % fw::kPairCols == 0 && K % 64 == 0, "int_gemm_bf16 takes N a multiple of 16 and K of 64");
+  const auto xc = x.contiguous();
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
+  auto y = at::empty({M, N}, x.options());
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float *sp = scale.data_ptr<float>(), *op = offset.data_ptr<float>();
+  const int block_bytes = static_cast<int>(bits) * kBlock / 8;
+  auto blocks = [&](int64_t first, int64_t count) {
+    thread_local std::vector<uint32_t> tiles;
+    tiles.resize(count * K / 2 * fw::kPairCols);
+    for (int64_t b = 0; b < count; ++b) {
+      const int64_t n0 = (first + b) * fw::kPairCols;
+      fw::widen_tiles(K, [&](int c, int64_t k0, __m512i& lo, __m512i& hi) {  // two 32-weight blocks of row n
+        const int64_t n = n0 + c;
+        __m512 f[4];
+        for (int h = 0; h < 2; ++h) {
+          const int64_t g = (k0 + h * kBlock) / group;
+          const __m512 s = _mm512_set1_ps(sp[n * G + g]), o = _mm512_set1_ps(op[n * G + g]);
+          __m512 v[2];
+          block_floats(qp + n * stride + (k0 / kBlock + h) * block_bytes, static_cast<int>(bits), v);
+          f[2 * h] = _mm512_fmadd_ps(v[0], s, o);
+          f[2 * h + 1] = _mm512_fmadd_ps(v[1], s, o);
+        }
+        lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
+        hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+      }, tiles.data() + b * K / 2 * fw::kPairCols);
+    }
+    return reinterpret_cast<const fw::bf16*>(tiles.data());
+  };
+  fw::pair_product(reinterpret_cast<const fw::bf16*>(xc.data_ptr()), M, K, blocks,
+                   bias.has_value() ? bias_f.data_ptr<float>() : nullptr, reinterpret_cast<fw::bf16*>(y.data_ptr()), N);
+  return y;
+#else
+  TORCH_CHECK(false, "int_gemm_bf16: built without AVX512-BF16 (has_bf16_tiles() is false)");
+#endif
+}
+
+bool has_bf16_tiles() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool amx_supported() {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   return fw::amx_permitted();
@@ -670,4 +731,7 @@ TORCH_LIBRARY(fw_quant_gptq, m) {
   m.def("int_gemm_amx(Tensor x, Tensor q, Tensor scale, Tensor offset, int bits, int group, Tensor? bias) -> Tensor");
   m.impl("int_gemm_amx", c10::DispatchKey::CPU, TORCH_FN(int_gemm_amx));
   m.def("amx_supported() -> bool", TORCH_FN(amx_supported));
+  m.def("int_gemm_bf16(Tensor x, Tensor q, Tensor scale, Tensor offset, int bits, int group, Tensor? bias) -> Tensor");
+  m.impl("int_gemm_bf16", c10::DispatchKey::CPU, TORCH_FN(int_gemm_bf16));
+  m.def("has_bf16_tiles() -> bool", TORCH_FN(has_bf16_tiles));
 }
