@@ -233,12 +233,15 @@ constexpr int64_t kPairBlocks = 3, kPairRows = 8;  // a register tile: column bl
 inline void store16(bf16* y, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v)); }
 inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
 
-// y[MR, NB * 16] = x[MR, K] . W^T (+ bias) for NB blocks of w, K / 2 pairs each.
+// y[MR, NB * 16] = x[MR, K] . W^T (+ bias) for NB blocks of w, K / 2 pairs each; with `scale` (per column),
+// y = scale * (x . W^T) (+ bias), for weights stored unscaled.
 template <int MR, int NB, typename Out>
-inline void pair_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t K, const float* bias, Out* y, int64_t ldy) {
+inline void pair_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t K, const float* bias, const float* scale,
+                      Out* y, int64_t ldy) {
   __m512 acc[MR][NB];
+  const bool bias_first = bias && !scale;
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NB; ++j) acc[m][j] = bias ? _mm512_loadu_ps(bias + j * kPairCols) : _mm512_setzero_ps();
+    for (int j = 0; j < NB; ++j) acc[m][j] = bias_first ? _mm512_loadu_ps(bias + j * kPairCols) : _mm512_setzero_ps();
   const int64_t pairs = K / 2, block = pairs * 2 * kPairCols;  // elements per column block
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh b[NB];
@@ -248,43 +251,53 @@ inline void pair_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t K, cons
       for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b[j], a);
     }
   }
+  if (scale) {
+    for (int j = 0; j < NB; ++j) {
+      const __m512 sc = _mm512_loadu_ps(scale + j * kPairCols);
+      const __m512 b = bias ? _mm512_loadu_ps(bias + j * kPairCols) : _mm512_setzero_ps();
+      for (int m = 0; m < MR; ++m) acc[m][j] = _mm512_fmadd_ps(acc[m][j], sc, b);
+    }
+  }
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NB; ++j) store16(y + m * ldy + j * kPairCols, acc[m][j]);
 }
 
 template <int NB, typename Out>
-void pair_row_tiles(const bf16* x, int64_t M, int64_t K, const bf16* w, const float* bias, Out* y, int64_t N) {
+void pair_row_tiles(const bf16* x, int64_t M, int64_t K, const bf16* w, const float* bias, const float* scale, Out* y,
+                    int64_t N) {
   int64_t m = 0;
-  for (; m + kPairRows <= M; m += kPairRows) pair_tile<kPairRows, NB>(x + m * K, K, w, K, bias, y + m * N, N);
+  for (; m + kPairRows <= M; m += kPairRows) pair_tile<kPairRows, NB>(x + m * K, K, w, K, bias, scale, y + m * N, N);
   const bf16* xr = x + m * K;
   Out* yr = y + m * N;
   switch (M - m) {  // the last rows
-    case 7: pair_tile<7, NB>(xr, K, w, K, bias, yr, N); break;
-    case 6: pair_tile<6, NB>(xr, K, w, K, bias, yr, N); break;
-    case 5: pair_tile<5, NB>(xr, K, w, K, bias, yr, N); break;
-    case 4: pair_tile<4, NB>(xr, K, w, K, bias, yr, N); break;
-    case 3: pair_tile<3, NB>(xr, K, w, K, bias, yr, N); break;
-    case 2: pair_tile<2, NB>(xr, K, w, K, bias, yr, N); break;
-    case 1: pair_tile<1, NB>(xr, K, w, K, bias, yr, N); break;
+    case 7: pair_tile<7, NB>(xr, K, w, K, bias, scale, yr, N); break;
+    case 6: pair_tile<6, NB>(xr, K, w, K, bias, scale, yr, N); break;
+    case 5: pair_tile<5, NB>(xr, K, w, K, bias, scale, yr, N); break;
+    case 4: pair_tile<4, NB>(xr, K, w, K, bias, scale, yr, N); break;
+    case 3: pair_tile<3, NB>(xr, K, w, K, bias, scale, yr, N); break;
+    case 2: pair_tile<2, NB>(xr, K, w, K, bias, scale, yr, N); break;
+    case 1: pair_tile<1, NB>(xr, K, w, K, bias, scale, yr, N); break;
     default: break;
   }
 }
 
 // y [M, N] = x [M, K] . W^T (+ bias), in parallel over groups of kPairBlocks column blocks: `blocks(first, count)`
 // gives the pair-interleaved weights of blocks first .. first + count - 1, contiguous (a thread's own buffer, if
-// it builds them).
+// it builds them). `scale` [N] (or null) scales each column's sums before the bias.
 template <typename Out, typename Blocks>
-void pair_product(const bf16* x, int64_t M, int64_t K, const Blocks& blocks, const float* bias, Out* y, int64_t N) {
+void pair_product(const bf16* x, int64_t M, int64_t K, const Blocks& blocks, const float* bias, Out* y, int64_t N,
+                  const float* scale = nullptr) {
   const int64_t count = N / kPairCols, groups = (count + kPairBlocks - 1) / kPairBlocks;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t first = g * kPairBlocks, nb = std::min(kPairBlocks, count - first);
       const bf16* w = blocks(first, nb);
       const float* b = bias ? bias + first * kPairCols : nullptr;
+      const float* sc = scale ? scale + first * kPairCols : nullptr;
       Out* out = y + first * kPairCols;
-      if (nb == 3) pair_row_tiles<3>(x, M, K, w, b, out, N);
-      else if (nb == 2) pair_row_tiles<2>(x, M, K, w, b, out, N);
-      else pair_row_tiles<1>(x, M, K, w, b, out, N);
+      if (nb == 3) pair_row_tiles<3>(x, M, K, w, b, sc, out, N);
+      else if (nb == 2) pair_row_tiles<2>(x, M, K, w, b, sc, out, N);
+      else pair_row_tiles<1>(x, M, K, w, b, sc, out, N);
     }
   });
 }

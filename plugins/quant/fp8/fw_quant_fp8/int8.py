@@ -25,13 +25,14 @@ from fw.sdk import kernels, native
 from fw_quant_fp8.method import (
     Fp8Method,
     W8A8Rows,
-    amx_product,
     as_bits,
     bf16_pairs,
     has_amx,
     has_bf16_pairs,
+    has_tiles,
     logits_product,
     native_bf16,
+    tile_product,
     w8a8_product,
     widening_product,
 )
@@ -71,7 +72,9 @@ def _native_supports(key: tuple) -> bool:
 
 WEIGHT_ONLY = widening_product("int8.linear", "int8_gemv")
 WEIGHT_ONLY.register(kernels.Candidate("fw-bf16", partial(native_bf16, True), as_bits, "bits", has_bf16_pairs))
-WEIGHT_ONLY.register(kernels.Candidate("fw-amx", partial(amx_product, True), as_bits, "bits", has_amx))
+WEIGHT_ONLY.register(kernels.Candidate(
+    "fw-tiles", partial(tile_product, "gemm_bf16", True), as_bits, "bits", has_tiles))
+WEIGHT_ONLY.register(kernels.Candidate("fw-amx", partial(tile_product, "gemm_amx", True), as_bits, "bits", has_amx))
 LOGITS = logits_product("int8.logits", "int8_gemv")
 LOGITS.register(kernels.Candidate("fw-bf16", partial(bf16_pairs, True), as_bits, "bits", has_bf16_pairs))
 W8A8 = w8a8_product("int8.linear.a8", WEIGHT_ONLY, INT8, (

@@ -197,23 +197,29 @@ def logits_product(name: str, kernel: str) -> kernels.Operation:
     return op
 
 
-def amx_product(int8: bool, w: QuantizedRows, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """bf16 activations times FP8 (or int8) rows widened into AMX tiles, a scale per row only."""
+def tile_product(kernel: str, int8: bool, w: QuantizedRows, x: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """bf16 activations times FP8 (or int8) rows widened, exactly, into bf16 tiles a few rows at a time, for
+    prefill-sized products, a scale per row only: ``gemm_bf16`` (fw's dense AVX512-BF16 tiles) or ``gemm_amx``."""
     rows = x.numel() // x.shape[-1]
-    out = torch.ops.fw_quant_fp8.gemm_amx(x.reshape(rows, x.shape[-1]), w.weight, w.scale, bias, int8)
+    out = getattr(torch.ops.fw_quant_fp8, kernel)(x.reshape(rows, x.shape[-1]), w.weight, w.scale, bias, int8)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def has_tiles(key: tuple) -> bool:
+    """bf16 tiles for prefill-sized products: the bf16-pair conditions, 16 output rows and 64 input features at a
+    time."""
+    return has_bf16_pairs(key) and key[0] % 16 == 0 and key[1] % 64 == 0
+
+
 def has_amx(key: tuple) -> bool:
-    """AMX-BF16 tiles for prefill-sized products: the bf16-pair conditions, 16 output rows and 64 input features at
-    a time."""
-    return (has_bf16_pairs(key) and key[0] % 16 == 0 and key[1] % 64 == 0
-            and torch.ops.fw_quant_fp8.amx_supported())
+    return has_tiles(key) and torch.ops.fw_quant_fp8.amx_supported()
 
 
 PRODUCT = widening_product("fp8.linear", "fp8_gemv")
 PRODUCT.register(kernels.Candidate("fw-bf16", partial(native_bf16, False), as_bits, "bits", has_bf16_pairs))
-PRODUCT.register(kernels.Candidate("fw-amx", partial(amx_product, False), as_bits, "bits", has_amx))
+PRODUCT.register(kernels.Candidate("fw-tiles", partial(tile_product, "gemm_bf16", False), as_bits, "bits", has_tiles))
+PRODUCT.register(kernels.Candidate("fw-amx", partial(tile_product, "gemm_amx", False), as_bits, "bits", has_amx))
 LOGITS = logits_product("fp8.logits", "fp8_gemv")
 LOGITS.register(kernels.Candidate("fw-bf16", partial(bf16_pairs, False), as_bits, "bits", has_bf16_pairs))
 # W8A8 with a scale per token or a static one (no groups): the widening products on rounded activations, and

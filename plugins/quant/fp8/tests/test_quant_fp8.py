@@ -314,17 +314,20 @@ def test_bf16_pair_product_takes_every_weight_value_exactly(element):
 
 
 @pytest.mark.parametrize("element", ["fp8", "int8"])
-def test_amx_product_takes_every_weight_value_exactly_in_its_column(element):
-    """``fw-amx`` widens each column pair's weight rows into AMX tiles (16 input-feature pairs x 16 columns): with
-    one weight row per byte value and x one-hot rows at several features, every output is its own weight times the
-    row scale, exactly (one nonzero product each), so a misplaced feature or column would show; 40 rows pad to two
-    32-row tiles, and 48 columns leave the last pair one block."""
+@pytest.mark.parametrize("kernel", ["fw-tiles", "fw-amx"])
+def test_tile_products_take_every_weight_value_exactly_in_its_column(element, kernel):
+    """``fw-tiles`` and ``fw-amx`` widen weight rows into bf16 tiles (16 input-feature pairs x 16 columns): with one
+    weight row per byte value and x one-hot rows at several features, every output is its own weight times the row
+    scale, exactly (one nonzero product each), so a misplaced feature or column would show. 40 rows: five 8-row
+    register tiles (fw-tiles), two 32-row AMX tiles padded (fw-amx); 48 columns: one group of three blocks
+    (fw-tiles), a last AMX pair of one block."""
     from fw_quant_fp8 import int8, method
 
     op, dtype = (method.PRODUCT, torch.float8_e4m3fn) if element == "fp8" else (int8.WEIGHT_ONLY, torch.int8)
-    candidate = op.candidates["fw-amx"]
+    candidate = op.candidates[kernel]
     if not candidate.supports((256, 128, None, "bfloat16", "cpu")):
-        pytest.skip("this CPU has no AMX-BF16 (with AVX-512 BF16 and VBMI), Linux does not grant it, or no C++")
+        needs = "AMX-BF16 (with AVX-512 BF16 and VBMI)" if kernel == "fw-amx" else "AVX-512 BF16 and VBMI"
+        pytest.skip(f"{kernel}: this CPU has no {needs}, Linux does not grant it, or no C++")
     values = torch.arange(256, dtype=torch.uint8)
     if element == "fp8":
         values[(values & 0x7F) == 0x7F] = 0  # NaN left out
@@ -365,4 +368,6 @@ def test_bf16_pair_product_runs_only_where_it_is_exact_and_built():
     amx = candidate.supports(key) and {"amx_tile", "amx_bf16"} <= flags and linux >= (5, 16)
     for op in (method.PRODUCT, int8.WEIGHT_ONLY):
         assert op.candidates["fw-amx"].supports(key) == amx
-        assert not op.candidates["fw-amx"].supports((64, 900, None, "bfloat16", "cpu"))
+        assert op.candidates["fw-tiles"].supports(key) == candidate.supports(key)
+        for name in ("fw-amx", "fw-tiles"):
+            assert not op.candidates[name].supports((64, 900, None, "bfloat16", "cpu"))

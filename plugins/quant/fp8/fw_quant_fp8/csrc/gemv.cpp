@@ -229,13 +229,7 @@ void dot_row_bf16(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K, c
 }
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-// FP8 or int8 weights at prefill sizes through AMX bf16 tiles. Each column pair's 32 weight rows are widened once per
-// call, exactly, into AMX's right-hand tile layout: 16 pairs of input features x 16 columns, the layout of fw's
-// dense blocks (fw/csrc/dense.cpp). Every 32-row tile of x then runs against them, so the weight is read and
-// widened once for all the rows; gemv_bf16, a row group at a time, took 6x bf16's prefill time.
-constexpr int64_t kAmxRows = 32, kCols = 16;
-
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 // 64 weight bytes as 64 bf16 values in order (the words' order put back for FP8; int8's is already).
 struct Fp8Pairs {
   Fp8Words words;
@@ -254,6 +248,61 @@ void widen_rows(const uint8_t* rows, int64_t K, const Pairs& pairs, uint32_t* ti
     pairs(_mm512_loadu_si512(rows + c * K + k0), a, b);
   }, tiles);
 }
+
+// The checks of the prefill-sized kernels: x bf16 [M, K] (K a multiple of 64); weight: FP8 e4m3 or int8 bits [N, K]
+// (N a multiple of 16); scale float32 [N, 1].
+void check_tiles(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1), name, ": x [M, K] and weight [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, name, ": x must be bfloat16");
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous(), name, ": weight must be contiguous uint8");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0), name, ": scale must be float32 [N, 1]");
+  TORCH_CHECK(weight.size(0) % 16 == 0 && x.size(1) % 64 == 0, name, " takes N a multiple of 16 and K of 64");
+}
+#endif
+
+// FP8 or int8 weights at prefill sizes through fw's dense AVX512-BF16 tiles (fw::pair_product): each thread widens
+// 48 weight rows at a time, exactly, into the dense kernel's pair-interleaved blocks in its own buffer, and every
+// row of x runs against them there; each column's float32 sums are scaled once at the end. Returns bf16 [M, N],
+// the bias added before rounding.
+at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& bias, bool int8) {
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+  check_tiles(x, weight, scale, "gemm_bf16");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  static const Bf16Tables tables;
+  const Fp8Pairs fp8{Fp8Words{tables}};
+  const auto xc = x.contiguous();
+  const auto sc = scale.contiguous();
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
+  auto y = at::empty({M, N}, x.options());
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  auto blocks = [&](int64_t first, int64_t count) {
+    thread_local std::vector<uint32_t> tiles;
+    tiles.resize(count * K / 2 * fw::kPairCols);
+    for (int64_t b = 0; b < count; ++b) {
+      const uint8_t* rows = wp + (first + b) * fw::kPairCols * K;
+      uint32_t* block_tiles = tiles.data() + b * K / 2 * fw::kPairCols;
+      if (int8) widen_rows(rows, K, Int8Words{}, block_tiles);
+      else widen_rows(rows, K, fp8, block_tiles);
+    }
+    return reinterpret_cast<const fw::bf16*>(tiles.data());
+  };
+  fw::pair_product(reinterpret_cast<const fw::bf16*>(xc.data_ptr()), M, K, blocks,
+                   bias.has_value() ? bias_f.data_ptr<float>() : nullptr, reinterpret_cast<fw::bf16*>(y.data_ptr()), N,
+                   sc.data_ptr<float>());
+  return y;
+#else
+  TORCH_CHECK(false, "gemm_bf16: built without AVX512-BF16 and VBMI (has_bf16_dot() is false)");
+#endif
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+// FP8 or int8 weights at prefill sizes through AMX bf16 tiles. Each column pair's 32 weight rows are widened once per
+// call, exactly, into AMX's right-hand tile layout: 16 pairs of input features x 16 columns, the layout of fw's
+// dense blocks (fw/csrc/dense.cpp). Every 32-row tile of x then runs against them, so the weight is read and
+// widened once for all the rows; gemv_bf16, a row group at a time, took 6x bf16's prefill time.
+constexpr int64_t kAmxRows = 32, kCols = 16;
 #endif
 
 // x bf16 [M, K] (K a multiple of 64); weight: FP8 e4m3 or int8 bits [N, K] (N a multiple of 16); scale float32
@@ -262,12 +311,8 @@ at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& weight, const at::Ten
                     const c10::optional<at::Tensor>& bias, bool int8) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
   TORCH_CHECK(fw::amx_permitted(), "gemm_amx: the kernel did not grant AMX tiles to this process");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1), "x [M, K] and weight [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bfloat16");
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == weight.size(0), "scale must be float32 [N, 1]");
+  check_tiles(x, weight, scale, "gemm_amx");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(N % kCols == 0 && K % 64 == 0, "gemm_amx takes N a multiple of 16 and K of 64");
   static const Bf16Tables tables;
   const Fp8Pairs fp8{Fp8Words{tables}};
   const int64_t Mp = (M + kAmxRows - 1) / kAmxRows * kAmxRows, blocks = N / kCols;
@@ -396,6 +441,8 @@ TORCH_LIBRARY(fw_quant_fp8, m) {
   m.def("gemv_bf16(Tensor x, Tensor weight, Tensor scale, Tensor? bias, bool float_out, bool int8) -> Tensor");
   m.impl("gemv_bf16", c10::DispatchKey::CPU, TORCH_FN(gemv_bf16));
   m.def("has_bf16_dot() -> bool", TORCH_FN(has_bf16_dot));
+  m.def("gemm_bf16(Tensor x, Tensor weight, Tensor scale, Tensor? bias, bool int8) -> Tensor");
+  m.impl("gemm_bf16", c10::DispatchKey::CPU, TORCH_FN(gemm_bf16));
   m.def("gemm_amx(Tensor x, Tensor weight, Tensor scale, Tensor? bias, bool int8) -> Tensor");
   m.impl("gemm_amx", c10::DispatchKey::CPU, TORCH_FN(gemm_amx));
   m.def("amx_supported() -> bool", TORCH_FN(amx_supported));
