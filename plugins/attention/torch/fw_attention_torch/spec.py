@@ -14,7 +14,8 @@ SPEC = PluginSpec(
     ),
     api_version=1,
     description=(
-        "Paged prefill and decode with torch scaled_dot_product_attention; any head size and block size; "
+        "Paged prefill and decode: native CPU kernels where they measure faster, torch "
+        "scaled_dot_product_attention elsewhere; any head size and block size; "
         "fp8 and int8 KV caches; logit soft cap; multi-head latent attention (DeepSeek-V2/V3)."
     ),
     priority=BUILTIN_PRIORITY,  # the portable default; a plugin installed beside it must declare more to replace it
