@@ -132,8 +132,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   const bf16* wp = reinterpret_cast<const bf16*>(weight.data_ptr());
   const float* bp = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   auto blocks = [&](int64_t first, int64_t) { return wp + first * K * kCols; };
-  if (float_out) fw::pair_product(xp, M, K, blocks, bp, y.data_ptr<float>(), N);
-  else fw::pair_product(xp, M, K, blocks, bp, reinterpret_cast<bf16*>(y.data_ptr()), N);
+  if (float_out) fw::pair_product(xp, M, K, blocks, bp, y.data_ptr<float>(), N, nullptr, wp);
+  else fw::pair_product(xp, M, K, blocks, bp, reinterpret_cast<bf16*>(y.data_ptr()), N, nullptr, wp);
   return y;
 #else
   TORCH_CHECK(false, "fw_dense.linear needs AVX512-BF16");

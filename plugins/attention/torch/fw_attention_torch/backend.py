@@ -22,9 +22,9 @@ of ``PREFILL_ROWS`` tokens):
 - ``fw``: the native kernel's prefill (``csrc/paged_attention.cpp``): a few
   consecutive tokens of the chunk and one KV head per task, so that every key
   and value read from the cache serves all their query heads, each token
-  attending up to its own position. Each token's result is a decode's of its
-  length (bit for bit on a bf16 cache). On Zen 5 at 128 tokens of Qwen2-0.5B's
-  heads: 0.11 ms a layer, against sdpa's 0.44-0.48.
+  attending up to its own position. Each token's result is the decode
+  kernel's for a request of its length, bit for bit. On Zen 5 at 128 tokens of
+  Qwen2-0.5B's heads: 0.11 ms a layer, against sdpa's 0.44-0.48.
 - ``torch``, the reference: ``scaled_dot_product_attention`` in the query
   dtype over the chunk's keys gathered.
 - ``torch-fp32``: the same on float32 copies of the queries, keys and values
