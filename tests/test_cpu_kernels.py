@@ -285,7 +285,7 @@ def test_native_kv_store_matches_the_torch_writes(layer_kernels, monkeypatch, dt
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_size", "window", "cap"),
                          [(14, 2, 64, None, None), (16, 1, 64, 30, None), (4, 4, 32, None, 30.0), (12, 2, 128, 9, None),
-                          (6, 3, 48, None, None)])
+                          (6, 3, 48, None, None), (4, 2, 20, 3, None)])
 @pytest.mark.parametrize(("context", "chunk"), [(0, 128), (37, 100), (5, 9), (70, 1)])
 @pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [(torch.bfloat16, "auto"), (torch.float32, "auto"),
                                                        (torch.float16, "int8"), (torch.bfloat16, "fp8")])
@@ -294,7 +294,7 @@ def test_native_prefill_is_a_decode_of_each_token(native_kernel, heads, kv_heads
     """``paged_prefill`` attends each token of a chunk as ``paged_decode`` attends a request of that token's length,
     bit for bit (its sums add the same terms in the same order; the positions past a token's own weigh 0): fresh
     prompts and chunks over cached context, ragged lengths, windows, a soft cap, head sizes with and without the
-    bf16 fast path (48: the generic one), each query dtype and KV-cache format."""
+    bf16 fast path (48: the generic one in vectors; 20: partly scalar), each query dtype and KV-cache format."""
     from fw_attention_torch import backend as torch_attention
 
     layer = AttentionLayerSpec(heads, kv_heads, head_size, head_size**-0.5, window, logits_soft_cap=cap,
