@@ -162,7 +162,7 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// 16 weight rows as bf16 pairs in AMX's right-hand tile layout (that of fw's dense blocks, kPairCols above):
+// 16 weight rows as bf16 pairs in AMX's right-hand tile layout (that of fw's dense blocks, kPairCols below):
 // tiles[p * 16 + c] holds row c's input features 2p and 2p + 1; K a multiple of 64. widen(c, k0, first, second)
 // gives row c's features k0 .. k0 + 63 as bf16 in order, 32 a vector.
 template <typename Widen>
@@ -296,8 +296,8 @@ void pair_product(const bf16* x, int64_t M, int64_t K, const Blocks& blocks, con
                   const float* scale = nullptr, const bf16* stored = nullptr) {
   const int64_t count = N / kPairCols, groups = (count + kPairBlocks - 1) / kPairBlocks;
   // Only where two groups fit in L2 beside x, and for several rows: one row streams well without it (Zen 5:
-  // 9728 x 896 at 8 rows 332 -> 211 us, at 32 724 -> 609, the LM head at 8 rows 6.3 -> 4.8 ms; 896 x 4864,
-  // whose groups take 467 KB, slowed).
+  // 9728 x 896 at 8 rows 332-415 -> 211-346 us, at 32 724-768 -> 609-724, the LM head at 8 rows 6.2-7.2 -> 4.5-6.5
+  // ms; 896 x 4864, whose groups take 467 KB, slowed).
   constexpr int64_t kPrefetchGroupBytes = 128 << 10;
   const bool prefetch = stored && M > 1 && kPairBlocks * K * kPairCols * int64_t(sizeof(bf16)) <= kPrefetchGroupBytes;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
