@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AMX_TILE__)
 #include <sys/syscall.h>
@@ -315,6 +316,29 @@ void pair_product(const bf16* x, int64_t M, int64_t K, const Blocks& blocks, con
       else pair_row_tiles<1>(x, M, K, w, b, sc, out, N, ahead);
     }
   });
+}
+
+// y [M, N] = x [M, K] . W^T (+ bias), bf16 x and y, for a weight a kernel widens into pair-interleaved blocks
+// itself (a quant format's prompts): widen(n0, block) fills the block of output rows n0 .. n0 + 15, K / 2 x 16
+// pairs. Each thread builds kPairBlocks blocks at a time in its own buffer, so the widened weight never exists
+// whole, and each block is built once per call for all of x's rows. `scale` [N] as pair_product's.
+template <typename Widen>
+at::Tensor pair_linear(const at::Tensor& x, int64_t N, const c10::optional<at::Tensor>& bias, const float* scale,
+                       const Widen& widen) {
+  const auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
+  auto y = at::empty({M, N}, x.options());
+  auto blocks = [&](int64_t first, int64_t count) {
+    thread_local std::vector<uint32_t> tiles;
+    tiles.resize(count * K / 2 * kPairCols);
+    for (int64_t b = 0; b < count; ++b) widen((first + b) * kPairCols, tiles.data() + b * K / 2 * kPairCols);
+    return reinterpret_cast<const bf16*>(tiles.data());
+  };
+  pair_product(reinterpret_cast<const bf16*>(xc.data_ptr()), M, K, blocks,
+               bias.has_value() ? bias_f.data_ptr<float>() : nullptr, reinterpret_cast<bf16*>(y.data_ptr()), N, scale);
+  return y;
 }
 #endif
 

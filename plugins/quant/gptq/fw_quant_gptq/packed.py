@@ -25,6 +25,7 @@ activations are rounded to int8 blocks first, and ``fw`` multiplies integers (ex
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -136,20 +137,17 @@ def _native(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None, ker
     return out if bias is None else out + bias
 
 
-def _amx(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``int_gemm_amx``, which adds the bias itself."""
+def _tiles(kernel: str, w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``int_gemm_amx`` or ``int_gemm_bf16``, which add the bias themselves."""
     rows = x.numel() // x.shape[-1]
-    out = torch.ops.fw_quant_gptq.int_gemm_amx(x.reshape(rows, x.shape[-1]), w.q, w.scale, w.offset, w.bits,
-                                               w.group, bias)
+    out = getattr(torch.ops.fw_quant_gptq, kernel)(x.reshape(rows, x.shape[-1]), w.q, w.scale, w.offset, w.bits,
+                                                   w.group, bias)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _bf16_tiles(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``int_gemm_bf16``, which adds the bias itself."""
-    rows = x.numel() // x.shape[-1]
-    out = torch.ops.fw_quant_gptq.int_gemm_bf16(x.reshape(rows, x.shape[-1]), w.q, w.scale, w.offset, w.bits,
-                                                w.group, bias)
-    return out.view(*x.shape[:-1], out.shape[-1])
+def _tile_shape(key: tuple) -> bool:
+    """What the bf16 tile kernels take: bf16 activations, 16 output rows and 64 input features at a time."""
+    return PRODUCT.candidates["fw"].supports(key) and key[4] == "bfloat16" and key[0] % 16 == 0 and key[1] % 64 == 0
 
 
 def _triton(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -171,16 +169,14 @@ PRODUCT.register(kernels.Candidate(
     supports=lambda key: PRODUCT.candidates["fw"].supports(key) and torch.ops.fw_quant_gptq.has_wide()))
 # Prompts and batches through AMX bf16 tiles, the integers widened once per call for all the rows.
 PRODUCT.register(kernels.Candidate(
-    "fw-amx", _amx,
-    supports=lambda key: PRODUCT.candidates["fw"].supports(key) and key[4] == "bfloat16" and key[0] % 16 == 0
-    and key[1] % 64 == 0 and torch.ops.fw_quant_gptq.amx_supported()))
+    "fw-amx", partial(_tiles, "int_gemm_amx"),
+    supports=lambda key: _tile_shape(key) and torch.ops.fw_quant_gptq.amx_supported()))
 # Prompts and batches through fw's AVX512-BF16 dense tiles, each 48 rows of the weight dequantized to bf16 in a
 # thread's buffer once per call: the same bf16 weights as "torch", without a copy of them in memory. Zen 5, 4-bit
 # Qwen2-0.5B at 128 rows: 9728 x 896 in 2.5 ms against torch's 32; TTFT of a 128-token prompt 510 -> 145-155 ms.
 PRODUCT.register(kernels.Candidate(
-    "fw-bf16", _bf16_tiles,
-    supports=lambda key: PRODUCT.candidates["fw"].supports(key) and key[4] == "bfloat16" and key[0] % 16 == 0
-    and key[1] % 64 == 0 and torch.ops.fw_quant_gptq.has_bf16_tiles()))
+    "fw-bf16", partial(_tiles, "int_gemm_bf16"),
+    supports=lambda key: _tile_shape(key) and torch.ops.fw_quant_gptq.has_bf16_tiles()))
 PRODUCT.register(kernels.Candidate("torch", lambda w, x, bias=None: _product(w, x, bias, x.dtype)))
 PRODUCT.register(kernels.Candidate(
     "torch-fp32", lambda w, x, bias=None: _product(w, x, bias, torch.float32).to(x.dtype),
@@ -206,7 +202,7 @@ PRODUCT_A8.register(kernels.Candidate("torch", _emulated_a8))
 # Prompts: fw-bf16 on the activations rounded as "torch" rounds them, then to bf16 for the tiles (as the fp8
 # plugin's W8A8 prompts take its weight-only tiles). Zen 5, 4-bit Qwen2-0.5B: a 128-token TTFT 400-500 -> 180 ms.
 PRODUCT_A8.register(kernels.Candidate(
-    "fw-bf16", lambda w, x, bias=None: _bf16_tiles(w, int_block_rounded(x, BLOCK).to(x.dtype), bias),
+    "fw-bf16", lambda w, x, bias=None: _tiles("int_gemm_bf16", w, int_block_rounded(x, BLOCK).to(x.dtype), bias),
     supports=PRODUCT.candidates["fw-bf16"].supports))
 
 

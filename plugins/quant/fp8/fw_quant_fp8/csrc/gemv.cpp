@@ -260,38 +260,22 @@ void check_tiles(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
 }
 #endif
 
-// FP8 or int8 weights at prefill sizes through fw's dense AVX512-BF16 tiles (fw::pair_product): each thread widens
-// 48 weight rows at a time, exactly, into the dense kernel's pair-interleaved blocks in its own buffer, and every
-// row of x runs against them there; each column's float32 sums are scaled once at the end. Returns bf16 [M, N],
-// the bias added before rounding.
+// FP8 or int8 weights at prefill sizes through fw's dense AVX512-BF16 tiles (fw::pair_linear): each 16 weight rows
+// widened, exactly, into the dense kernel's pair-interleaved blocks; each column's float32 sums are scaled once at
+// the end. Returns bf16 [M, N], the bias added before rounding.
 at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                      const c10::optional<at::Tensor>& bias, bool int8) {
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
   check_tiles(x, weight, scale, "gemm_bf16");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const int64_t K = x.size(1), N = weight.size(0);
   static const Bf16Tables tables;
   const Fp8Pairs fp8{Fp8Words{tables}};
-  const auto xc = x.contiguous();
   const auto sc = scale.contiguous();
-  at::Tensor bias_f;
-  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
-  auto y = at::empty({M, N}, x.options());
   const uint8_t* wp = weight.data_ptr<uint8_t>();
-  auto blocks = [&](int64_t first, int64_t count) {
-    thread_local std::vector<uint32_t> tiles;
-    tiles.resize(count * K / 2 * fw::kPairCols);
-    for (int64_t b = 0; b < count; ++b) {
-      const uint8_t* rows = wp + (first + b) * fw::kPairCols * K;
-      uint32_t* block_tiles = tiles.data() + b * K / 2 * fw::kPairCols;
-      if (int8) widen_rows(rows, K, Int8Words{}, block_tiles);
-      else widen_rows(rows, K, fp8, block_tiles);
-    }
-    return reinterpret_cast<const fw::bf16*>(tiles.data());
-  };
-  fw::pair_product(reinterpret_cast<const fw::bf16*>(xc.data_ptr()), M, K, blocks,
-                   bias.has_value() ? bias_f.data_ptr<float>() : nullptr, reinterpret_cast<fw::bf16*>(y.data_ptr()), N,
-                   sc.data_ptr<float>());
-  return y;
+  return fw::pair_linear(x, N, bias, sc.data_ptr<float>(), [&](int64_t n0, uint32_t* tiles) {
+    if (int8) widen_rows(wp + n0 * K, K, Int8Words{}, tiles);
+    else widen_rows(wp + n0 * K, K, fp8, tiles);
+  });
 #else
   TORCH_CHECK(false, "gemm_bf16: built without AVX512-BF16 and VBMI (has_bf16_dot() is false)");
 #endif

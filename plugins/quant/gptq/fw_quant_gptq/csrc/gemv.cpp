@@ -649,51 +649,36 @@ at::Tensor int_gemm_amx(const at::Tensor& x, const at::Tensor& q, const at::Tens
 #endif
 }
 
-// Prompts and batches on CPUs with AVX512-BF16 (without AMX too): each thread takes 48 output rows at a time,
-// dequantizes their weights (q * scale + offset in float32, rounded to bf16, as the torch candidate's bf16 copy)
-// into the pair-interleaved blocks of fw's dense kernel, in its own buffer, and runs every row of x against them
-// in that kernel's register tiles (fw::pair_product): the bf16 copy of the weight never exists whole, and each
-// block of it is built once per call for all of x's rows. x bf16 [M, K] (K a multiple of 64), N a multiple of 16.
+// Prompts and batches on CPUs with AVX512-BF16 (without AMX too), through fw::pair_linear: each 16 output rows'
+// weights dequantized (q * scale + offset in float32, rounded to bf16, as the torch candidate's bf16 copy) into
+// the pair-interleaved blocks of fw's dense kernel. x bf16 [M, K] (K a multiple of 64), N a multiple of 16.
 // Returns bf16 [M, N], the bias added before rounding.
 at::Tensor int_gemm_bf16(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
                          int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias) {
 #if defined(__AVX512BF16__)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [rows, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = scale.size(1), stride = q.size(1);
+  const int64_t K = x.size(1), N = q.size(0), G = scale.size(1), stride = q.size(1);
   check_weight(q, scale, offset, K, bits, group);
   TORCH_CHECK(N % fw::kPairCols == 0 && K % 64 == 0, "int_gemm_bf16 takes N a multiple of 16 and K of 64");
-  const auto xc = x.contiguous();
-  at::Tensor bias_f;
-  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
-  auto y = at::empty({M, N}, x.options());
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float *sp = scale.data_ptr<float>(), *op = offset.data_ptr<float>();
   const int block_bytes = static_cast<int>(bits) * kBlock / 8;
-  auto blocks = [&](int64_t first, int64_t count) {
-    thread_local std::vector<uint32_t> tiles;
-    tiles.resize(count * K / 2 * fw::kPairCols);
-    for (int64_t b = 0; b < count; ++b) {
-      const int64_t n0 = (first + b) * fw::kPairCols;
-      fw::widen_tiles(K, [&](int c, int64_t k0, __m512i& lo, __m512i& hi) {  // two 32-weight blocks of row n
-        const int64_t n = n0 + c;
-        __m512 f[4];
-        for (int h = 0; h < 2; ++h) {
-          const int64_t g = (k0 + h * kBlock) / group;
-          const __m512 s = _mm512_set1_ps(sp[n * G + g]), o = _mm512_set1_ps(op[n * G + g]);
-          __m512 v[2];
-          block_floats(qp + n * stride + (k0 / kBlock + h) * block_bytes, static_cast<int>(bits), v);
-          f[2 * h] = _mm512_fmadd_ps(v[0], s, o);
-          f[2 * h + 1] = _mm512_fmadd_ps(v[1], s, o);
-        }
-        lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
-        hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
-      }, tiles.data() + b * K / 2 * fw::kPairCols);
-    }
-    return reinterpret_cast<const fw::bf16*>(tiles.data());
-  };
-  fw::pair_product(reinterpret_cast<const fw::bf16*>(xc.data_ptr()), M, K, blocks,
-                   bias.has_value() ? bias_f.data_ptr<float>() : nullptr, reinterpret_cast<fw::bf16*>(y.data_ptr()), N);
-  return y;
+  return fw::pair_linear(x, N, bias, nullptr, [&](int64_t n0, uint32_t* tiles) {
+    fw::widen_tiles(K, [&](int c, int64_t k0, __m512i& lo, __m512i& hi) {  // two 32-weight blocks of row n
+      const int64_t n = n0 + c;
+      __m512 f[4];
+      for (int h = 0; h < 2; ++h) {
+        const int64_t g = (k0 + h * kBlock) / group;
+        const __m512 s = _mm512_set1_ps(sp[n * G + g]), o = _mm512_set1_ps(op[n * G + g]);
+        __m512 v[2];
+        block_floats(qp + n * stride + (k0 / kBlock + h) * block_bytes, static_cast<int>(bits), v);
+        f[2 * h] = _mm512_fmadd_ps(v[0], s, o);
+        f[2 * h + 1] = _mm512_fmadd_ps(v[1], s, o);
+      }
+      lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);
+      hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+    }, tiles);
+  });
 #else
   TORCH_CHECK(false, "int_gemm_bf16: built without AVX512-BF16 (has_bf16_tiles() is false)");
 #endif
