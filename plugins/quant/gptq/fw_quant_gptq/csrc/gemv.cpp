@@ -27,12 +27,24 @@ struct Rows {
   const float* offset;
   int64_t stride, groups, blocks, group_blocks;
 
-  // Output rows from n of a weight (check_weight's tensors): K input features in groups of `group`.
-  static Rows at(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset, int64_t K, int64_t group,
-                 int64_t n) {
-    const int64_t G = scale.size(1);
-    return {q.data_ptr<uint8_t>() + n * q.size(1), scale.data_ptr<float>() + n * G, offset.data_ptr<float>() + n * G,
-            q.size(1), G, K / kBlock, group / kBlock};
+  // A weight's rows (check_weight's tensors): K input features in groups of `group`.
+  static Rows of(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset, int64_t K, int64_t group) {
+    return {q.data_ptr<uint8_t>(), scale.data_ptr<float>(), offset.data_ptr<float>(), q.size(1), scale.size(1),
+            K / kBlock, group / kBlock};
+  }
+
+  // The rows from n (computed once per call, not once per tile: the tensors' accessors check types each time).
+  Rows from(int64_t n) const {
+    return {q + n * stride, scale + n * groups, offset + n * groups, stride, groups, blocks, group_blocks};
+  }
+
+  // Requests the scales and offsets of rows `ahead` on, which a kernel reads once per group and at the end of its
+  // rows: they are a stream of their own, which the hardware prefetcher leaves cold.
+  void prefetch_groups(int64_t ahead, int64_t rows) const {
+    for (int64_t i = 0; i < rows * groups; i += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(scale + ahead * groups + i), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(offset + ahead * groups + i), _MM_HINT_T0);
+    }
   }
 };
 
@@ -101,6 +113,7 @@ struct Avx2 {
 template <typename S, int M, int R>
 void dot_rows_float(const float* x, const float* gsum, const Rows& r, int bits, float* y, int64_t ldy, int64_t K) {
   using V = typename S::V;
+  r.prefetch_groups(4 * R, R);
   V acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int i = 0; i < R; ++i) acc[m][i] = S::zero();
@@ -167,6 +180,7 @@ struct Avx512 {
 template <int M, int R>
 void dot_rows_a8(const int8_t* xq, const float* dx, const float* gsum, const Rows& r, int bits, float* y,
                  int64_t ldy, int64_t K) {
+  r.prefetch_groups(4 * R, R);
   __m256 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int i = 0; i < R; ++i) acc[m][i] = _mm256_setzero_ps();
@@ -211,6 +225,7 @@ void dot_rows_a8(const int8_t* xq, const float* dx, const float* gsum, const Row
 template <int M, int R>
 void dot_rows_a8_wide(const int8_t* xw, const float* dw, int64_t pairs, const float* gsum, const Rows& r, int bits,
                       float* y, int64_t ldy) {
+  r.prefetch_groups(4 * R, R);
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int i = 0; i < R; ++i) acc[m][i] = _mm512_setzero_ps();
@@ -416,8 +431,9 @@ at::Tensor int_gemv_impl(const at::Tensor& x, const at::Tensor& q, const at::Ten
                                          Kernels<kWide>::template one<5>, Kernels<kWide>::template one<6>,
                                          Kernels<kWide>::template one<7>, Kernels<kWide>::template one<8>};
   float* yp = y.data_ptr<float>();
+  const Rows weight = Rows::of(q, scale, offset, K, group);
   tiles(M, N, [&](int64_t m, int rows, int64_t n, bool many) {
-    const Rows r = Rows::at(q, scale, offset, K, group, n);
+    const Rows r = weight.from(n);
     (many ? kMany : kOne)[rows - 1](xp + m * K, gp + m * G, r, static_cast<int>(bits), yp + m * N + n, N, K);
   });
   return y.to(x.scalar_type());
@@ -508,8 +524,9 @@ at::Tensor int_gemv_a8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const int8_t* qp = a.xq.data_ptr<int8_t>();
   const float *dp = a.dx.data_ptr<float>(), *gp = a.gsum.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const Rows weight = Rows::of(q, scale, offset, K, group);
   tiles(M, N, [&](int64_t m, int rows, int64_t n, bool many) {
-    const Rows r = Rows::at(q, scale, offset, K, group, n);
+    const Rows r = weight.from(n);
     (many ? kMany : kOne)[rows - 1](qp + m * K, dp + m * blocks, gp + m * G, r, static_cast<int>(bits),
                                     yp + m * N + n, N, K);
   });
@@ -538,8 +555,9 @@ at::Tensor int_gemv_a8_wide(const at::Tensor& x, const at::Tensor& q, const at::
                                          dot_rows_a8_wide<6, 1>, dot_rows_a8_wide<7, 1>, dot_rows_a8_wide<8, 1>};
   const float* gp = a.gsum.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const Rows weight = Rows::of(q, scale, offset, K, group);
   tiles(M, N, [&](int64_t m, int rows, int64_t n, bool many) {
-    const Rows r = Rows::at(q, scale, offset, K, group, n);
+    const Rows r = weight.from(n);
     (many ? kMany : kOne)[rows - 1](xw.data() + m * pairs * 64, dw.data() + m * pairs * 16, pairs, gp + m * G, r,
                                     static_cast<int>(bits), yp + m * N + n, N);
   });
