@@ -299,10 +299,11 @@ def _eight_bit_examples(op):
 def _int_examples(op):
     gen = torch.Generator().manual_seed(0)
     # 4-bit in groups of 32, and of 128 with a last group of three blocks (two blocks a vector in fw-vnni512, one
-    # without a partner); 8-bit in groups of 64 with a partial last group (and of 128, a shape AMX tiles take);
-    # irregular groups (torch only).
+    # without a partner) or of two (pairs of blocks in fw-dpbf16); 8-bit in groups of 64 with a partial last group
+    # (and of 128, a shape AMX tiles take); irregular groups (torch only).
     for bits, out_features, in_features, g_idx in ((4, 96, 64, torch.arange(64) // 32),
                                                    (4, 40, 224, torch.arange(224) // 128),
+                                                   (4, 36, 192, torch.arange(192) // 128),
                                                    (8, 100, 96, torch.arange(96) // 64),
                                                    (8, 48, 192, torch.arange(192) // 128),
                                                    (4, 48, 64, torch.randperm(64, generator=gen) % 3)):
@@ -344,7 +345,7 @@ def _attention_examples(op):
 
 
 EXAMPLES = {"dense.linear": _dense_examples, "dense.logits": _dense_examples, "gguf.linear": _gguf_examples, "gguf.linear.a8": _gguf_examples,
-            "fp8.linear": _fp8_examples, "int.linear": _int_examples, "int.linear.a8": _int_examples,
+            "fp8.linear": _fp8_examples, "int.linear": _int_examples, "int.linear.a8": _int_examples, "int.logits": _int_examples,
             "int8.linear": _eight_bit_examples, "int8.linear.a8": _eight_bit_examples,
             "fp8.linear.a8": _eight_bit_examples, "fp8.logits": _eight_bit_examples, "int8.logits": _eight_bit_examples,
             "attention.decode": _attention_examples,
@@ -384,7 +385,7 @@ def test_every_candidate_matches_the_reference_on_every_row_class(op_name):
 
 # The native candidates every CPU with a compiler runs.
 NATIVE = {"dense.linear": {"fw-plain", "fw-gemm"}, "dense.logits": {"fw-plain"}, "gguf.linear": {"fw"}, "gguf.linear.a8": {"fw"}, "fp8.linear": {"fw"},
-          "int.linear": {"fw"}, "int.linear.a8": {"fw"}, "int8.linear": {"fw"}, "int8.linear.a8": {"fw"},
+          "int.linear": {"fw"}, "int.linear.a8": {"fw"}, "int.logits": {"fw"}, "int8.linear": {"fw"}, "int8.linear.a8": {"fw"},
           "fp8.linear.a8": {"fw"}, "fp8.logits": {"fw"}, "int8.logits": {"fw"}, "attention.decode": {"fw"},
           "attention.prefill": {"fw"}}
 
@@ -397,7 +398,7 @@ def _key(op_name: str, weight, sample) -> tuple:
         return dense._key(weight)
     if op_name.startswith(("fp8.", "int8.")):
         return (*weight.weight.shape, weight.group, "bfloat16", "cpu")
-    if op_name.startswith("int.linear"):
+    if op_name.startswith("int."):
         return packed.key(weight, torch.bfloat16)
     shards = tuple((s.qtype.name, s.rows) for s in weight.chunks)
     return shards, 256, "bfloat16", "cpu"
@@ -467,13 +468,14 @@ def test_gptq_amx_takes_every_integer_in_its_group_and_column(cache, bits):
 def test_the_gptq_wide_kernels_are_offered_where_the_cpu_has_avx512(cache):
     """The GPTQ kernels in 512-bit vectors are candidates exactly where the build targets them: fw-avx512 (float
     activations) with AVX-512, fw-vnni512 (int8 activations) with AVX-512 VNNI, fw-bf16 (prompts through the dense
-    kernel's bf16 tiles) with AVX512-BF16."""
+    kernel's bf16 tiles) and fw-dpbf16 (4-bit bf16 pair products) with AVX512-BF16."""
     flags = set(cpuinfo.read_text().split()) if (cpuinfo := Path("/proc/cpuinfo")).exists() else set()
+    weight = packed.round_rows(torch.randn(32, 256), bits=4, group=128)
     for op_name, wide, needs in (("int.linear", "fw-avx512", {"avx512f"}),
                                  ("int.linear.a8", "fw-vnni512", {"avx512_vnni", "avx512bw"}),
-                                 ("int.linear", "fw-bf16", {"avx512_bf16"})):
+                                 ("int.linear", "fw-bf16", {"avx512_bf16"}),
+                                 ("int.linear", "fw-dpbf16", {"avx512_bf16", "avx512bw"})):
         op = kernels.operations()[op_name]
-        weight = next(_int_examples(op))[0]
         names = {c.name for c in op.supported(packed.key(weight, torch.bfloat16))}
         assert (wide in names) == ("fw" in names and needs <= flags), op_name
 

@@ -21,7 +21,7 @@ from fw.sdk.errors import ModelLoadError
 from fw.sdk.linear import UnquantizedLinearMethod
 from fw.sdk.moe import UnquantizedMoEMethod, run_experts
 from fw_quant_gptq.formats import Scheme, Schemes, decode, in_features
-from fw_quant_gptq.packed import Product, repack, round_rows
+from fw_quant_gptq.packed import LOGITS, Product, repack, round_rows, select_product
 
 
 def _leaves(scheme: Scheme, out: int, width: int) -> dict[str, tuple[tuple[int, ...], torch.dtype, int, int | None]]:
@@ -207,5 +207,8 @@ class IntMethod(QuantMethod):
     def get_logits_method(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
         if self.options is None or not self.options.lm_head:
             return None
-        product = Product(round_rows(weight, self.options.lm_head_bits), torch.float32, self.int8)
+        rows = round_rows(weight, self.options.lm_head_bits)
+        if not self.int8:  # weight-only: float32 logits from the hidden states as they are (packed.LOGITS)
+            return select_product(rows, weight.dtype, op=LOGITS)
+        product = Product(rows, torch.float32, True)
         return lambda hidden: product(hidden.float())
