@@ -130,20 +130,20 @@ def _product(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None, dtype: to
     return out if bias is None else out + bias.to(dtype)
 
 
-def _native(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None, kernel: str = "int_gemv",
-            *flags: bool) -> torch.Tensor:
+def _native(w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None, kernel: str = "int_gemv") -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     out = getattr(torch.ops.fw_quant_gptq, kernel)(x.reshape(rows, x.shape[-1]), w.q, w.scale, w.offset, w.bits,
-                                                   w.group, *flags)
+                                                   w.group)
     out = out.view(*x.shape[:-1], out.shape[-1])
     return out if bias is None else out + bias
 
 
-def _tiles(kernel: str, w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``int_gemm_amx`` or ``int_gemm_bf16``, which add the bias themselves."""
+def _tiles(kernel: str, w: IntWeight, x: torch.Tensor, bias: torch.Tensor | None = None, *flags: bool) -> torch.Tensor:
+    """``int_gemm_amx``, ``int_gemm_bf16`` or ``int_gemv_dpbf16`` (with its ``float_out``), which add the bias
+    themselves."""
     rows = x.numel() // x.shape[-1]
     out = getattr(torch.ops.fw_quant_gptq, kernel)(x.reshape(rows, x.shape[-1]), w.q, w.scale, w.offset, w.bits,
-                                                   w.group, bias)
+                                                   w.group, bias, *flags)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -178,7 +178,7 @@ def _has_dpbf16(key: tuple) -> bool:
 
 
 PRODUCT.register(kernels.Candidate(
-    "fw-dpbf16", lambda w, x, bias=None: _native(w, x, bias, "int_gemv_dpbf16", False), supports=_has_dpbf16))
+    "fw-dpbf16", lambda w, x, bias=None: _tiles("int_gemv_dpbf16", w, x, bias, False), supports=_has_dpbf16))
 # Prompts and batches through AMX bf16 tiles, the integers widened once per call for all the rows.
 PRODUCT.register(kernels.Candidate(
     "fw-amx", partial(_tiles, "int_gemm_amx"),
@@ -224,7 +224,7 @@ LOGITS = kernels.Operation("int.logits", reference="torch")
 LOGITS.register(kernels.Candidate("fw", lambda w, x: _native(w, x.float()), supports=PRODUCT.candidates["fw"].supports))
 LOGITS.register(kernels.Candidate("fw-avx512", lambda w, x: _native(w, x.float(), None, "int_gemv_wide"),
                                   supports=PRODUCT.candidates["fw-avx512"].supports))
-LOGITS.register(kernels.Candidate("fw-dpbf16", lambda w, x: _native(w, x, None, "int_gemv_dpbf16", True),
+LOGITS.register(kernels.Candidate("fw-dpbf16", lambda w, x: _tiles("int_gemv_dpbf16", w, x, None, True),
                                   supports=_has_dpbf16))
 LOGITS.register(kernels.Candidate("torch", lambda w, x: _product(w, x, None, torch.float32)))
 

@@ -514,9 +514,9 @@ void dot_rows_dpbf16(const uint16_t* xw, int64_t pairs, const float* gsum, const
 
 // int_gemv_wide through dot_rows_dpbf16: x bf16 [M, K], 4-bit weights in groups of a multiple of 64 (a pair of blocks
 // never straddles two groups), K a multiple of 64. The same sums as int_gemv_wide, in another order; float32
-// (float_out: an LM head's logits) or bf16.
+// (float_out: an LM head's logits) or bf16, the bias added (fw::Outputs: no extra ops a call).
 at::Tensor int_gemv_dpbf16(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& offset,
-                           int64_t bits, int64_t group, bool float_out) {
+                           int64_t bits, int64_t group, const c10::optional<at::Tensor>& bias, bool float_out) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [rows, K]");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = scale.size(1), pairs = K / 64;
@@ -534,11 +534,11 @@ at::Tensor int_gemv_dpbf16(const at::Tensor& x, const at::Tensor& q, const at::T
         out[j] = in[j], out[8 + j] = in[32 + j], out[16 + j] = in[16 + j], out[24 + j] = in[48 + j];
         out[32 + j] = in[8 + j], out[40 + j] = in[40 + j], out[48 + j] = in[24 + j], out[56 + j] = in[56 + j];
       }
-      float sum = 0.f;
-      for (int j = 0; j < 64; ++j) sum += fw::f32(in[j]);
-      gsum[m * G + p * 64 / group] += sum;
+      __m512 sum = _mm512_setzero_ps();
+      for (int j = 0; j < 64; j += 16) sum = _mm512_add_ps(sum, fw::load_bf16x16(reinterpret_cast<const fw::bf16*>(in + j)));
+      gsum[m * G + p * 64 / group] += _mm512_reduce_add_ps(sum);
     }
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const fw::Outputs out(x, M, N, float_out ? at::kFloat : at::kBFloat16, bias);
   using Fn = void (*)(const uint16_t*, int64_t, const float*, const Rows&, float*, int64_t);
   static constexpr Fn kOne[kMaxRows] = {dot_rows_dpbf16<1, 1>, dot_rows_dpbf16<2, 1>, dot_rows_dpbf16<3, 1>,
                                         dot_rows_dpbf16<4, 1>, dot_rows_dpbf16<5, 1>, dot_rows_dpbf16<6, 1>,
@@ -546,12 +546,15 @@ at::Tensor int_gemv_dpbf16(const at::Tensor& x, const at::Tensor& q, const at::T
   static constexpr Fn kMany[kMaxRows] = {dot_rows_dpbf16<1, rows_for(1)>, dot_rows_dpbf16<2, rows_for(2)>,
                                          dot_rows_dpbf16<3, 1>, dot_rows_dpbf16<4, 1>, dot_rows_dpbf16<5, 1>,
                                          dot_rows_dpbf16<6, 1>, dot_rows_dpbf16<7, 1>, dot_rows_dpbf16<8, 1>};
-  float* yp = y.data_ptr<float>();
   const Rows weight = Rows::of(q, scale, offset, K, group);
   tiles(M, N, [&](int64_t m, int rows, int64_t n, bool many) {
-    (many ? kMany : kOne)[rows - 1](xw.data() + m * K, pairs, gsum.data() + m * G, weight.from(n), yp + m * N + n, N);
+    const int R = many ? rows_for(rows) : 1;
+    float y[kMaxRows * 4];  // the tile's rows x R sums
+    (many ? kMany : kOne)[rows - 1](xw.data() + m * K, pairs, gsum.data() + m * G, weight.from(n), y, R);
+    for (int r = 0; r < rows; ++r)
+      for (int i = 0; i < R; ++i) out.put(m + r, n + i, y[r * R + i]);
   });
-  return float_out ? y : y.to(at::kBFloat16);
+  return out.y;
 #else
   TORCH_CHECK(false, "int_gemv_dpbf16: built without AVX512-BF16 (has_dpbf16() is false)");
 #endif
@@ -834,8 +837,8 @@ TORCH_LIBRARY(fw_quant_gptq, m) {
   m.def("int_gemv_wide(Tensor x, Tensor q, Tensor scale, Tensor offset, int bits, int group) -> Tensor");
   m.impl("int_gemv_wide", c10::DispatchKey::CPU, TORCH_FN(int_gemv_wide));
   m.def("has_wide() -> bool", TORCH_FN(has_wide));
-  m.def("int_gemv_dpbf16(Tensor x, Tensor q, Tensor scale, Tensor offset, int bits, int group, bool float_out) -> "
-        "Tensor");
+  m.def("int_gemv_dpbf16(Tensor x, Tensor q, Tensor scale, Tensor offset, int bits, int group, Tensor? bias, "
+        "bool float_out) -> Tensor");
   m.impl("int_gemv_dpbf16", c10::DispatchKey::CPU, TORCH_FN(int_gemv_dpbf16));
   m.def("has_dpbf16() -> bool", TORCH_FN(has_dpbf16));
   m.def("int_gemv_a8_wide(Tensor x, Tensor q, Tensor scale, Tensor offset, int bits, int group) -> Tensor");
