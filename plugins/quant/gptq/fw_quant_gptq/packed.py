@@ -169,14 +169,15 @@ PRODUCT.register(kernels.Candidate(
 PRODUCT.register(kernels.Candidate(
     "fw-avx512", lambda w, x, bias=None: _native(w, x, bias, "int_gemv_wide"),
     supports=lambda key: PRODUCT.candidates["fw"].supports(key) and torch.ops.fw_quant_gptq.has_wide()))
-# 4-bit weights against bf16 activations in AVX512-BF16 pair products (each nibble n as the bf16 128 + n): exact
-# products in a third of the float kernel's instructions. Zen 5, Qwen2-0.5B's 96 4-bit layers streamed at one row:
-# 8.7 ms with fw-avx512, 5.6 (int8 activations' fw-vnni512: 5.9).
 def _has_dpbf16(key: tuple) -> bool:
+    """What int_gemv_dpbf16 takes: bf16 activations, 4-bit weights, groups and K in whole pairs of blocks."""
     return (PRODUCT.candidates["fw"].supports(key) and key[2] == 4 and key[3] % 64 == 0 and key[1] % 64 == 0
             and key[4] == "bfloat16" and torch.ops.fw_quant_gptq.has_dpbf16())
 
 
+# 4-bit weights against bf16 activations in AVX512-BF16 pair products (each nibble n as the bf16 128 + n): exact
+# products in a third of the float kernel's instructions. Zen 5, Qwen2-0.5B's 96 4-bit layers streamed at one row:
+# 8.7 ms with fw-avx512, 5.6 (int8 activations' fw-vnni512: 5.9).
 PRODUCT.register(kernels.Candidate(
     "fw-dpbf16", lambda w, x, bias=None: _tiles("int_gemv_dpbf16", w, x, bias, False), supports=_has_dpbf16))
 # Prompts and batches through AMX bf16 tiles, the integers widened once per call for all the rows.
@@ -227,6 +228,8 @@ LOGITS.register(kernels.Candidate("fw-avx512", lambda w, x: _native(w, x.float()
 LOGITS.register(kernels.Candidate("fw-dpbf16", lambda w, x: _tiles("int_gemv_dpbf16", w, x, None, True),
                                   supports=_has_dpbf16))
 LOGITS.register(kernels.Candidate("torch", lambda w, x: _product(w, x, None, torch.float32)))
+LOGITS.register(kernels.Candidate("triton", lambda w, x: _triton(w, x.float()),
+                                  supports=PRODUCT.candidates["triton"].supports))
 
 
 def key(w: IntWeight, dtype: torch.dtype) -> tuple:
