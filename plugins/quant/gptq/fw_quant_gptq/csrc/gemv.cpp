@@ -465,7 +465,8 @@ bool has_wide() {
 // 64 weights and two instructions multiply them by x, exactly, accumulating in float32 (the offsets take the 128
 // back: shift -128 in row_offsets). Against the float kernel: a third of the instructions a byte, and no int-to-float
 // conversions. Nibbles as the pairs' kernel lays them (dot_rows_a8_wide); xw: 64 bf16 a pair and row in their order
-// after the interleaves (pair_bf16): elements 0-7 of both blocks and 16-23 of both, then 8-15 and 24-31.
+// after the interleaves (int_gemv_dpbf16 lays them out): elements 0-7 of both blocks and 16-23 of both, then 8-15
+// and 24-31.
 template <int M, int R>
 void dot_rows_dpbf16(const uint16_t* xw, int64_t pairs, const float* gsum, const Rows& r, float* y, int64_t ldy) {
   constexpr int C = M * R <= 4 ? 2 : 1;  // accumulator chains a row: two where the registers allow
@@ -521,21 +522,27 @@ at::Tensor int_gemv_dpbf16(const at::Tensor& x, const at::Tensor& q, const at::T
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be bfloat16 [rows, K]");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = scale.size(1), pairs = K / 64;
   check_weight(q, scale, offset, K, bits, group);
-  TORCH_CHECK(bits == 4 && group % 64 == 0 && K % 64 == 0, "int_gemv_dpbf16 takes 4-bit weights, group and K multiples of 64");
+  TORCH_CHECK(bits == 4 && group % 64 == 0 && K % 64 == 0,
+              "int_gemv_dpbf16 takes 4-bit weights, group and K multiples of 64");
   const auto xc = x.contiguous();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   std::vector<uint16_t> xw(M * K);
   std::vector<float> gsum(M * G, 0.f);  // each row's sum over each group, for the offsets
+  // Words from the first block (in[0..31]) or, index bit 5, the second (in[32..63]) of a pair
+  static constexpr uint16_t kLoOrder[32] = {0,  1,  2,  3,  4,  5,  6,  7,  32, 33, 34, 35, 36, 37, 38, 39,
+                                            16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51, 52, 53, 54, 55};
+  const __m512i lo_order = _mm512_loadu_si512(kLoOrder);
+  const __m512i hi_order = _mm512_add_epi16(lo_order, _mm512_set1_epi16(8));
   for (int64_t m = 0; m < M; ++m)
     for (int64_t p = 0; p < pairs; ++p) {
-      const uint16_t* in = xp + m * K + p * 64;  // blocks 2p (in[0..31]) and 2p + 1 (in[32..63])
+      const uint16_t* in = xp + m * K + p * 64;
       uint16_t* out = xw.data() + (m * pairs + p) * 64;
-      for (int j = 0; j < 8; ++j) {
-        out[j] = in[j], out[8 + j] = in[32 + j], out[16 + j] = in[16 + j], out[24 + j] = in[48 + j];
-        out[32 + j] = in[8 + j], out[40 + j] = in[40 + j], out[48 + j] = in[24 + j], out[56 + j] = in[56 + j];
-      }
+      const __m512i first = _mm512_loadu_si512(in), second = _mm512_loadu_si512(in + 32);
+      _mm512_storeu_si512(out, _mm512_permutex2var_epi16(first, lo_order, second));
+      _mm512_storeu_si512(out + 32, _mm512_permutex2var_epi16(first, hi_order, second));
       __m512 sum = _mm512_setzero_ps();
-      for (int j = 0; j < 64; j += 16) sum = _mm512_add_ps(sum, fw::load_bf16x16(reinterpret_cast<const fw::bf16*>(in + j)));
+      for (int j = 0; j < 64; j += 16)
+        sum = _mm512_add_ps(sum, fw::load_bf16x16(reinterpret_cast<const fw::bf16*>(in + j)));
       gsum[m * G + p * 64 / group] += _mm512_reduce_add_ps(sum);
     }
   const fw::Outputs out(x, M, N, float_out ? at::kFloat : at::kBFloat16, bias);
