@@ -24,6 +24,7 @@ from fw_quant_fp8 import method as fp8_method
 from fw_quant_fp8.numerics import E4M3, INT8, quantize_rows
 from fw_quant_gguf import method as gguf_method
 from fw_quant_gguf.dequant import row_bytes
+from fw_quant_gguf.testing import random_blocks
 from fw_quant_gptq import packed
 
 
@@ -254,10 +255,13 @@ def _gguf_examples(op):
     rng = np.random.default_rng(0)
     in_features = 256
     for types in ((GGMLQuantizationType.Q4_0,), (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1),
-                  (GGMLQuantizationType.Q5_0,)):
+                  (GGMLQuantizationType.Q5_0,), (GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_K)):
         shards, offset, data = [], 0, []
         for qtype, rows in zip(types, (48, 16), strict=False):
-            blocks = quants.quantize(rng.standard_normal((rows, in_features), dtype=np.float32), qtype)
+            if qtype in (GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_K):  # gguf cannot write K-quants
+                blocks = random_blocks(qtype, rows, in_features, rng, scale=1e-4).numpy()
+            else:
+                blocks = quants.quantize(rng.standard_normal((rows, in_features), dtype=np.float32), qtype)
             width = row_bytes(qtype, in_features)
             shards.append(gguf_method._Shard(qtype, offset, rows, width))
             data.append(torch.from_numpy(blocks.reshape(-1).copy()))
@@ -384,7 +388,8 @@ def test_every_candidate_matches_the_reference_on_every_row_class(op_name):
 
 
 # The native candidates every CPU with a compiler runs.
-NATIVE = {"dense.linear": {"fw-plain", "fw-gemm"}, "dense.logits": {"fw-plain"}, "gguf.linear": {"fw"}, "gguf.linear.a8": {"fw"}, "fp8.linear": {"fw"},
+NATIVE = {"dense.linear": {"fw-plain", "fw-gemm"}, "dense.logits": {"fw-plain"}, "gguf.linear": {"fw", "fw-dequant"}, "gguf.linear.a8": {"fw"},
+          "fp8.linear": {"fw"},
           "int.linear": {"fw"}, "int.linear.a8": {"fw"}, "int.logits": {"fw"}, "int8.linear": {"fw"}, "int8.linear.a8": {"fw"},
           "fp8.linear.a8": {"fw"}, "fp8.logits": {"fw"}, "int8.logits": {"fw"}, "attention.decode": {"fw"},
           "attention.prefill": {"fw"}}

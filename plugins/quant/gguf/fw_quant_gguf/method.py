@@ -9,9 +9,11 @@ Hugging Face tensor name.
 
 Products (``fw.sdk.kernels`` operation ``gguf.linear``, chosen per CPU, shape and row count by timing):
 ``torch`` dequantizes the blocks into the activation dtype and multiplies, ``torch-fp32`` into float32
-(bf16 GEMMs are several times slower on CPUs without bf16 arithmetic), and ``fw``, for Q4_0/Q4_1/Q8_0 on
-the CPU, is a native kernel that decodes each block in registers as it reads it: it wins at decode sizes,
-while prefill-sized inputs amortize one dequantization into a dense product better.
+(bf16 GEMMs are several times slower on CPUs without bf16 arithmetic), ``fw-dequant`` is ``torch`` with the
+blocks decoded natively (several times faster than the torch ops, the same values), and ``fw`` is a native
+kernel that decodes each block as it reads it (in registers for Q4_0/Q4_1/Q8_0, through a block of floats in
+L1 for the other types): it wins at decode sizes, while prefill-sized inputs amortize one dequantization into a
+dense product better.
 With the plugin's option ``activations=int8`` products of Q4_0/Q4_1/Q8_0 blocks on the CPU are
 operation ``gguf.linear.a8``: each block of 32 activation values is rounded to int8 with its own scale first,
 as llama.cpp does, and ``fw`` multiplies bytes (exact in int32); its ``torch`` reference emulates that rounding.
@@ -42,11 +44,12 @@ from fw.sdk import dense, kernels, native
 from fw.sdk.errors import ModelLoadError
 from fw.sdk.linear import int_block_rounded, load_linear_shard
 from fw.sdk.weights import check_shape
-from fw_quant_gguf.dequant import FLOAT_TYPES, dequantize, row_bytes
+from fw_quant_gguf.dequant import FLOAT_TYPES, SUPPORTED_TYPES, dequantize, row_bytes
 from fw_quant_gguf.spec import GGUFOptions
 
-# The types the native kernel (csrc/gemv.cpp) decodes.
-_NATIVE_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
+# The types the native kernels (csrc/gemv.cpp) decode, and those of them with integer-activation kernels.
+_NATIVE_TYPES = frozenset(t for t in SUPPORTED_TYPES if t not in FLOAT_TYPES)
+_INT_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0})
 _SOURCE = Path(__file__).parent / "csrc" / "gemv.cpp"
 
 
@@ -144,10 +147,10 @@ def _layout(shards: list[_Shard], input_size: int) -> tuple[list[_Shard], list[i
 
 def _select(data: torch.Tensor, shards: list[_Shard], chunks: list[_Shard], native_shards: list[int],
             width: int, dtype: torch.dtype, int8_activations: bool) -> kernels.Selection:
-    """The layer's product: with int8 activations where the native kernel's types are on the CPU (the only
+    """The layer's product: with int8 activations where the integer kernels' types are on the CPU (the only
     products they speed up), else with the activations as they are."""
     key = (tuple((s.qtype.name, s.rows) for s in shards), width, str(dtype).removeprefix("torch."), data.device.type)
-    a8 = int8_activations and data.device.type == "cpu" and all(s.qtype in _NATIVE_TYPES for s in shards)
+    a8 = int8_activations and data.device.type == "cpu" and all(s.qtype in _INT_TYPES for s in shards)
     return (PRODUCT_A8 if a8 else PRODUCT).select(key, _Blocks(data, chunks, native_shards),
                                                   lambda rows: (torch.randn(rows, width, dtype=dtype),))
 
@@ -172,9 +175,10 @@ class _Blocks:
     native_shards: list[int]
 
 
-def _dequantized(blocks: _Blocks, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def _dequantized(blocks: _Blocks, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 decode: Callable[..., torch.Tensor] = dequantize) -> torch.Tensor:
     def weight(c: _Shard) -> torch.Tensor:
-        return dequantize(blocks.data[c.offset : c.offset + c.nbytes].view(c.rows, c.row_bytes), c.qtype, dtype)
+        return decode(blocks.data[c.offset : c.offset + c.nbytes].view(c.rows, c.row_bytes), c.qtype, dtype)
 
     x = x.to(dtype)
     if len(blocks.chunks) == 1:
@@ -202,10 +206,20 @@ def _native_a16(blocks: _Blocks, x: torch.Tensor, bias: torch.Tensor | None = No
     return _run_native(torch.ops.fw_quant_gguf.quant_gemv_a16, blocks, x, bias)
 
 
-def _native_supports(key: tuple) -> bool:
+def _native_decode(data: torch.Tensor, qtype: GGMLQuantizationType, dtype: torch.dtype) -> torch.Tensor:
+    if dtype in (torch.float32, torch.bfloat16):
+        return torch.ops.fw_quant_gguf.dequantize(data, int(qtype), dtype)
+    return torch.ops.fw_quant_gguf.dequantize(data, int(qtype), torch.float32).to(dtype)
+
+
+def _native_supports(key: tuple, types: frozenset = _NATIVE_TYPES) -> bool:
     shards, _, _, device = key
-    return (device == "cpu" and all(GGMLQuantizationType[t] in _NATIVE_TYPES for t, _ in shards)
+    return (device == "cpu" and all(GGMLQuantizationType[t] in types for t, _ in shards)
             and native.load("fw_quant_gguf", _SOURCE))
+
+
+def _int_supports(key: tuple) -> bool:
+    return _native_supports(key, _INT_TYPES)
 
 
 PRODUCT = kernels.Operation("gguf.linear", reference="torch")
@@ -214,7 +228,9 @@ PRODUCT.register(kernels.Candidate("fw", _native, supports=_native_supports))
 # their own rounding, and integer block products are cheaper than widening each weight to float. Not for float32
 # activations, whose product must stay within float32 summation error (the quant conformance suite).
 PRODUCT.register(kernels.Candidate(
-    "fw-a16", _native_a16, supports=lambda key: key[2] in ("bfloat16", "float16") and _native_supports(key)))
+    "fw-a16", _native_a16, supports=lambda key: key[2] in ("bfloat16", "float16") and _int_supports(key)))
+PRODUCT.register(kernels.Candidate(
+    "fw-dequant", lambda b, x, bias=None: _dequantized(b, x, bias, x.dtype, _native_decode), supports=_native_supports))
 PRODUCT.register(kernels.Candidate("torch", lambda b, x, bias=None: _dequantized(b, x, bias, x.dtype)))
 PRODUCT.register(kernels.Candidate(
     "torch-fp32", lambda b, x, bias=None: _dequantized(b, x, bias, torch.float32).to(x.dtype),
@@ -233,7 +249,7 @@ def _native_a8(blocks: _Blocks, x: torch.Tensor, bias: torch.Tensor | None = Non
 
 # The same products with int8 activations (the option activations=int8): "torch" emulates the rounding exactly.
 PRODUCT_A8 = kernels.Operation("gguf.linear.a8", reference="torch")
-PRODUCT_A8.register(kernels.Candidate("fw", _native_a8, supports=_native_supports))
+PRODUCT_A8.register(kernels.Candidate("fw", _native_a8, supports=_int_supports))
 PRODUCT_A8.register(kernels.Candidate("torch", _emulated_a8))
 
 

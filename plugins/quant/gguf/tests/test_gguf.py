@@ -36,6 +36,7 @@ from fw_quant_gguf.dequant import SUPPORTED_TYPES, dequantize
 from fw_quant_gguf.format import GGUFFormat
 from fw_quant_gguf.method import GGUFMethod
 from fw_quant_gguf.spec import GGUFOptions
+from fw_quant_gguf.testing import random_blocks
 from fw_quant_none.method import Unquantized
 
 Q = gguf.GGMLQuantizationType
@@ -230,13 +231,6 @@ def tiny(tmp_path_factory):
 
 # --- dequantization kernels ---------------------------------------------------------------------------------
 
-# Byte offsets of each block type's fp16 scales: random bytes there could be NaN or inf.
-_F16_FIELDS = {
-    Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
-    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-}  # fmt: skip
-
-
 @pytest.mark.parametrize("qtype", SUPPORTED_TYPES, ids=lambda t: t.name)
 def test_dequantize_matches_gguf_reference(qtype):
     rng = np.random.default_rng(int(qtype))
@@ -244,10 +238,7 @@ def test_dequantize_matches_gguf_reference(qtype):
     if qtype in (Q.F32, Q.F16, Q.BF16):
         raw = gguf.quants.quantize(rng.standard_normal((6, 64)).astype(np.float32), qtype).view(np.uint8)
     else:
-        raw = rng.integers(0, 256, size=(6, 3 * size), dtype=np.uint8)
-        blocks = raw.reshape(-1, size)
-        for at in _F16_FIELDS[qtype]:
-            blocks[:, at : at + 2] = rng.standard_normal((len(blocks), 1)).astype(np.float16).view(np.uint8)
+        raw = random_blocks(qtype, 6, 3 * block, rng).numpy()
     expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
     torch.testing.assert_close(dequantize(torch.from_numpy(raw.copy()), qtype), expected, rtol=0, atol=0)
     assert dequantize(torch.from_numpy(raw.copy()), qtype, torch.bfloat16).dtype == torch.bfloat16
@@ -510,19 +501,32 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path):
     assert ours.encode("hello")[0] == 1
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-# 96: 3 blocks a row; 2112: 66 (the AVX-512 kernel converts the scales of 1024 blocks at a time, 16 in each
-# conversion: rows split across both)
-@pytest.mark.parametrize("size", [96, 2112])
-def test_native_decode_kernel_matches_dequantize_then_matmul(qtype, dtype, size):
+QUANTIZED = [t for t in SUPPORTED_TYPES if t not in (Q.F32, Q.F16, Q.BF16)]
+
+
+def _native_gguf() -> None:
     from fw.sdk import native
 
     if not native.load("fw_quant_gguf", fw_quant_gguf.method._SOURCE):
-        pytest.skip("no C++ compiler: the native kernel cannot be built here (the dequantize path serves)")
+        pytest.skip("no C++ compiler: the native kernels cannot be built here (the dequantize path serves)")
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+# 3 blocks a row, and 66 32-weight blocks (the AVX-512 kernel converts the scales of 1024 blocks at a time, 16 in
+# each conversion: rows split across both) or 9 256-weight K-quant super-blocks
+@pytest.mark.parametrize("blocks", [3, "many"])
+def test_native_decode_kernel_matches_dequantize_then_matmul(qtype, dtype, blocks):
+    """Q4_0/Q4_1/Q8_0 decode in registers, every other type through a block of floats: both against dequantize's
+    weights. The writable types are quantized from random weights, the K-quants random blocks."""
+    _native_gguf()
     rng = np.random.default_rng(int(qtype))
-    rows = 40
-    raw = torch.from_numpy(gguf.quants.quantize(rng.standard_normal((rows, size)).astype(np.float32), qtype).copy())
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    size, rows = block * (blocks if blocks != "many" else 66 if block == 32 else 9), 40
+    if qtype in fw_quant_gguf.method._INT_TYPES or qtype in (Q.Q5_0, Q.Q5_1):
+        raw = torch.from_numpy(gguf.quants.quantize(rng.standard_normal((rows, size)).astype(np.float32), qtype).copy())
+    else:
+        raw = random_blocks(qtype, rows, size, rng, scale=0.01)
     weight = dequantize(raw, qtype).reshape(rows, size)
     for m in (1, 3, 8, 21):  # 21: three groups of register rows
         x = torch.from_numpy(rng.standard_normal((m, size)).astype(np.float32)).to(dtype)
@@ -532,7 +536,23 @@ def test_native_decode_kernel_matches_dequantize_then_matmul(qtype, dtype, size)
         assert out.dtype == dtype and out.shape == (m, rows)
         expected = x.float() @ weight.T
         tol = 1e-5 if dtype is torch.float32 else 2e-2
-        torch.testing.assert_close(out.float(), expected, atol=tol * 10, rtol=tol)
+        torch.testing.assert_close(out.float(), expected, atol=tol * 10 * expected.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_native_dequantize_is_the_torch_decoding_bit_for_bit(qtype):
+    """The prefill-sized candidate fw-dequant decodes rows natively: the same float32 values as dequant.py (which
+    matches gguf's own reference), and in bf16 the same rounding as a conversion in torch."""
+    _native_gguf()
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    raw = random_blocks(qtype, 70, 3 * block, np.random.default_rng(int(qtype)))  # 70 rows: split across threads
+    expected = dequantize(raw, qtype)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        got = fw_quant_gguf.method._native_decode(raw, qtype, dtype)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, expected.to(dtype), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        torch.ops.fw_quant_gguf.dequantize(raw, 99, torch.float32)
 
 
 def _blocks(types_rows: list[tuple[Q, int]], size: int, seed: int) -> fw_quant_gguf.method._Blocks:
@@ -554,10 +574,7 @@ def test_integer_activation_kernels_are_exactly_the_emulated_rounding(types, dty
     """The native kernels on integer activations (int8: activations=int8; int16: gguf.linear's fw-a16) equal the
     float product of the rounded activations (int8: the torch reference of gguf.linear.a8); integer sums are
     exact, only float summation order differs. int16 stays within 1e-5 of the float product."""
-    from fw.sdk import native
-
-    if not native.load("fw_quant_gguf", fw_quant_gguf.method._SOURCE):
-        pytest.skip("no C++ compiler: the native kernel cannot be built here (the torch emulation serves)")
+    _native_gguf()
     run = fw_quant_gguf.method._native_a8 if dtype == torch.int8 else fw_quant_gguf.method._native_a16
     levels = torch.iinfo(dtype).max
     size = 160
@@ -597,7 +614,7 @@ def test_activations_option_chooses_the_product(tiny, tmp_path, activations):
     model = load_gguf(path, activations=activations)
     ops = {name: m.linear_method.kernel.op for name, m in model.named_modules()
            if hasattr(m, "linear_method") and hasattr(m.linear_method, "kernel")}
-    assert ops["model.layers.0.self_attn.qkv_proj"] == "gguf.linear"  # Q5_0 v: the native kernel cannot read it
+    assert ops["model.layers.0.self_attn.qkv_proj"] == "gguf.linear"  # Q5_0 v: no integer kernel reads it
     assert ops["model.layers.0.mlp.gate_up_proj"] == ("gguf.linear.a8" if activations == "int8" else "gguf.linear")
     exact = prefill_logits(load_roundtrip_reference(tiny["LlamaForCausalLM"], Q.Q4_1, {"v_proj": Q.Q5_0}), PROMPT)
     ours = prefill_logits(model, PROMPT)

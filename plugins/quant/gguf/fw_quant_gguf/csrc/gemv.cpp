@@ -1,9 +1,11 @@
-// Products of a few activation rows with ggml-quantized weights (Q4_0, Q4_1, Q8_0), decoding each
-// 32-weight block in registers as it streams by: the weights are read once, in their packed size,
-// instead of being dequantized into a full float matrix first. For decode steps (few rows).
+// Products of a few activation rows with ggml-quantized weights, decoding each block as it streams by: the
+// weights are read once, in their packed size, instead of being dequantized into a full float matrix first. For
+// decode steps (few rows). Q4_0, Q4_1 and Q8_0 have kernels of their own that decode a 32-weight block in
+// registers; the other types (Q5_0, Q5_1 and the K-quants Q2_K-Q6_K, which llama.cpp's *_K_M files mix in) decode
+// a block into floats in L1 and multiply from there (dot_row_decoded).
 // quant_gemv multiplies the activations as they are; quant_gemv_a8 and quant_gemv_a16 round them to int8 (as
 // llama.cpp does on CPUs) or int16 blocks first and multiply integers: a block's dot product is a few integer
-// instructions, exact.
+// instructions, exact (Q4_0, Q4_1, Q8_0). dequantize decodes whole rows for prefill-sized products.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,9 +20,29 @@
 namespace {
 
 constexpr int64_t kBlock = 32, kMaxRows = 8;
-enum QType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // ggml's type ids
+enum QType : int64_t {  // ggml's type ids
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14
+};
 
-int64_t block_bytes(int64_t qtype) { return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : 34; }
+// Weights and bytes of a block (ggml's block_q* structs; the K-quants' super-blocks hold 256 weights).
+constexpr int64_t block_size(int64_t qtype) { return qtype >= Q2_K ? 256 : kBlock; }
+constexpr int64_t block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q2_K: return 84;
+    case Q3_K: return 110;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+  }
+}
+// The types with kernels of their own (and integer-activation ones).
+constexpr bool own_kernel(int64_t qtype) { return qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0; }
 
 inline float half(const uint8_t* p) {
   uint16_t h;
@@ -35,7 +57,7 @@ inline float half(const uint8_t* p) {
 }
 
 // The 32 integer weights of a block (before the scale d and the offset), in element order.
-[[maybe_unused]] inline void block_ints(const uint8_t* b, int64_t qtype, float* q) {
+inline void block_ints(const uint8_t* b, int64_t qtype, float* q) {
   if (qtype == Q8_0) {
     for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(b[2 + j]);
     return;
@@ -106,7 +128,7 @@ constexpr int64_t kRun = 16;  // blocks whose scales convert together
 // straight from memory, which costs no shuffle. d and m hold n rounded up to a multiple of kRun.
 template <int64_t T>
 void span_scales(const uint8_t* blk, int64_t n, float* d, float* m) {
-  constexpr int bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+  constexpr int bb = block_bytes(T);
   const __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32(bb));
   for (int64_t i = 0; i < n; i += kRun, blk += kRun * bb) {
@@ -151,7 +173,7 @@ inline void block_weights(const uint8_t* blk, const float* d, const float* m, __
 template <int64_t T, int M>
 void dot_row(const float* x, const RowAux& aux, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
              int64_t K) {
-  constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+  constexpr int64_t bb = block_bytes(T);
   constexpr int S = M <= 2 ? 2 : 1;
   __m512 acc[S][2][M];
   for (int s = 0; s < S; ++s)
@@ -202,7 +224,7 @@ inline void block_vectors(const uint8_t* blk, __m256 v[4]) {
 template <int64_t T, int M>
 void dot_row(const float* x, const RowAux& aux, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
              int64_t K) {
-  constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+  constexpr int64_t bb = block_bytes(T);
   sum_blocks<M>(blocks, y, ldy, [&](int64_t b, __m256* a, float* o) {
     const uint8_t* blk = row + b * bb;
     float d, offset;
@@ -225,7 +247,7 @@ void dot_row(const float* x, const RowAux& aux, const uint8_t* row, float* y, in
 template <int64_t T, int M>
 void dot_row(const float* x, const RowAux& aux, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
              int64_t K) {
-  constexpr int64_t qtype = T, bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+  constexpr int64_t qtype = T, bb = block_bytes(T);
   float acc[M] = {0.f};
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = row + b * bb;
@@ -242,6 +264,264 @@ void dot_row(const float* x, const RowAux& aux, const uint8_t* row, float* y, in
   for (int m = 0; m < M; ++m) y[m * ldy] = acc[m];
 }
 #endif
+
+// --- every type: blocks decoded into floats ---
+// decode<T>(block, w): a block's weights as floats, in element order, each computed as dequant.py computes it
+// (scale times integer, minus the min where there is one). The K-quants' layouts: see dequant.py's comments.
+template <int64_t T>
+void decode(const uint8_t* b, float* w);
+
+template <>
+inline void decode<Q4_0>(const uint8_t* b, float* w) {
+  const float d = half(b);
+  float q[kBlock];
+  block_ints(b, Q4_0, q);
+  for (int j = 0; j < kBlock; ++j) w[j] = d * (q[j] - 8.f);
+}
+
+template <>
+inline void decode<Q4_1>(const uint8_t* b, float* w) {
+  const float d = half(b), m = half(b + 2);
+  float q[kBlock];
+  block_ints(b, Q4_1, q);
+  for (int j = 0; j < kBlock; ++j) w[j] = d * q[j] + m;
+}
+
+template <>
+inline void decode<Q8_0>(const uint8_t* b, float* w) {
+  const float d = half(b);
+  for (int j = 0; j < kBlock; ++j) w[j] = d * static_cast<float>(static_cast<int8_t>(b[2 + j]));
+}
+
+#if defined(__AVX512F__)
+// Vectors of 16 elements: a - b and d q + m as separate roundings, as dequant.py's torch ops compute them (no FMA).
+inline __m512 sub_int(__m512i q, int b) { return _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(b))); }
+inline __m512i bytes16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// Q5_0 / Q5_1's integers, elements 0-15 and 16-31: the nibbles as Q4_0's, the fifth bits (bit j of the
+// little-endian uint32 qh is element j's) straight from qh as lane masks.
+inline void five_bit(const uint8_t* qh_bytes, const uint8_t* qs, __m512i& lo, __m512i& hi) {
+  uint32_t qh;
+  std::memcpy(&qh, qh_bytes, 4);
+  const __m512i q = bytes16(qs), bit = _mm512_set1_epi32(16);
+  lo = _mm512_and_si512(q, _mm512_set1_epi32(0x0f)), hi = _mm512_srli_epi32(q, 4);
+  lo = _mm512_mask_or_epi32(lo, __mmask16(qh), lo, bit), hi = _mm512_mask_or_epi32(hi, __mmask16(qh >> 16), hi, bit);
+}
+
+template <>
+inline void decode<Q5_0>(const uint8_t* b, float* w) {
+  const __m512 d = _mm512_set1_ps(half(b));
+  __m512i lo, hi;
+  five_bit(b + 2, b + 6, lo, hi);
+  _mm512_store_ps(w, _mm512_mul_ps(d, sub_int(lo, 16)));
+  _mm512_store_ps(w + 16, _mm512_mul_ps(d, sub_int(hi, 16)));
+}
+
+template <>
+inline void decode<Q5_1>(const uint8_t* b, float* w) {
+  const __m512 d = _mm512_set1_ps(half(b)), m = _mm512_set1_ps(half(b + 2));
+  __m512i lo, hi;
+  five_bit(b + 4, b + 8, lo, hi);
+  _mm512_store_ps(w, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), m));
+  _mm512_store_ps(w + 16, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), m));
+}
+#else
+// Q5_0 / Q5_1: a little-endian uint32 whose bit j is element j's fifth bit, then the nibbles as Q4_0's.
+inline void five_bit(const uint8_t* qh_bytes, const uint8_t* qs, float* q) {
+  uint32_t qh;
+  std::memcpy(&qh, qh_bytes, 4);
+  for (int j = 0; j < 16; ++j) {
+    q[j] = static_cast<float>((qs[j] & 0x0f) | (((qh >> j) & 1) << 4));
+    q[j + 16] = static_cast<float>((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4));
+  }
+}
+
+template <>
+inline void decode<Q5_0>(const uint8_t* b, float* w) {
+  const float d = half(b);
+  float q[kBlock];
+  five_bit(b + 2, b + 6, q);
+  for (int j = 0; j < kBlock; ++j) w[j] = d * (q[j] - 16.f);
+}
+
+template <>
+inline void decode<Q5_1>(const uint8_t* b, float* w) {
+  const float d = half(b), m = half(b + 2);
+  float q[kBlock];
+  five_bit(b + 4, b + 8, q);
+  for (int j = 0; j < kBlock; ++j) w[j] = d * q[j] + m;
+}
+#endif
+
+template <>
+inline void decode<Q2_K>(const uint8_t* b, float* w) {  // scales[16] | qs[64] | d | dmin
+  const float d = half(b + 80), dmin = half(b + 82);
+  for (int e0 = 0; e0 < 256; e0 += 16) {  // a 16-element sub-block: one scale and min
+    const float ds = d * static_cast<float>(b[e0 / 16] & 0x0f), dm = dmin * static_cast<float>(b[e0 / 16] >> 4);
+    const uint8_t* qs = b + 16 + 32 * (e0 / 128) + e0 % 32;
+    const int shift = 2 * ((e0 % 128) / 32);
+    for (int l = 0; l < 16; ++l) w[e0 + l] = ds * static_cast<float>((qs[l] >> shift) & 3) - dm;
+  }
+}
+
+template <>
+inline void decode<Q3_K>(const uint8_t* b, float* w) {  // hmask[32] | qs[64] | scales[12] | d
+  const uint8_t* packed = b + 96;
+  const float d = half(b + 108);
+  for (int e0 = 0; e0 < 256; e0 += 16) {
+    const int i = e0 / 16;
+    const int low = i < 8 ? packed[i] & 0x0f : packed[i - 8] >> 4, high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
+    const float ds = d * static_cast<float>((low | (high << 4)) - 32);
+    const uint8_t* qs = b + 32 + 32 * (e0 / 128) + e0 % 32;
+    const uint8_t* hm = b + e0 % 32;
+    const int shift = 2 * ((e0 % 128) / 32), bit = e0 / 32;
+    for (int l = 0; l < 16; ++l)  // a clear hmask bit subtracts 4
+      w[e0 + l] = ds * static_cast<float>(((qs[l] >> shift) & 3) - (((hm[l] >> bit) & 1) ? 0 : 4));
+  }
+}
+
+// Q4_K / Q5_K: eight 6-bit scales and mins packed in 12 bytes.
+inline void k4_scale(const uint8_t* s, int j, int& scale, int& min) {
+  if (j < 4) {
+    scale = s[j] & 63, min = s[j + 4] & 63;
+  } else {
+    scale = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4), min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// high: Q5_K's qh[32] (bit j of byte l is sub-block j's element l's fifth bit), or null for Q4_K.
+#if defined(__AVX512F__)
+inline void decode_k4(const uint8_t* b, const uint8_t* high, const uint8_t* qs, float* w) {
+  const float d = half(b), dmin = half(b + 2);
+  const __m512i nibble = _mm512_set1_epi32(0x0f), fifth = _mm512_set1_epi32(16);
+  for (int j = 0; j < 8; ++j) {  // sub-block j: nibbles of bytes 32 (j / 2) on, low ones for even j
+    int scale, min;
+    k4_scale(b + 4, j, scale, min);
+    const __m512 ds = _mm512_set1_ps(d * static_cast<float>(scale)), dm = _mm512_set1_ps(dmin * static_cast<float>(min));
+    const uint8_t* q = qs + 32 * (j / 2);
+    const __m128i shift = _mm_cvtsi32_si128(4 * (j % 2));
+    for (int h = 0; h < 2; ++h) {
+      __m512i v = _mm512_and_si512(_mm512_srl_epi32(bytes16(q + 16 * h), shift), nibble);
+      if (high) v = _mm512_mask_or_epi32(v, _mm512_test_epi32_mask(bytes16(high + 16 * h), _mm512_set1_epi32(1 << j)), v, fifth);
+      _mm512_store_ps(w + 32 * j + 16 * h, _mm512_sub_ps(_mm512_mul_ps(ds, _mm512_cvtepi32_ps(v)), dm));
+    }
+  }
+}
+#else
+inline void decode_k4(const uint8_t* b, const uint8_t* high, const uint8_t* qs, float* w) {
+  const float d = half(b), dmin = half(b + 2);
+  for (int j = 0; j < 8; ++j) {  // sub-block j: nibbles of bytes 32 (j / 2) on, low ones for even j
+    int scale, min;
+    k4_scale(b + 4, j, scale, min);
+    const float ds = d * static_cast<float>(scale), dm = dmin * static_cast<float>(min);
+    const uint8_t* q = qs + 32 * (j / 2);
+    const int shift = 4 * (j % 2);
+    for (int l = 0; l < 32; ++l) {
+      const int h = high ? ((high[l] >> j) & 1) << 4 : 0;
+      w[32 * j + l] = ds * static_cast<float>(((q[l] >> shift) & 0x0f) | h) - dm;
+    }
+  }
+}
+#endif
+
+template <>
+inline void decode<Q4_K>(const uint8_t* b, float* w) {  // d | dmin | scales[12] | qs[128]
+  decode_k4(b, nullptr, b + 16, w);
+}
+
+template <>
+inline void decode<Q5_K>(const uint8_t* b, float* w) {  // d | dmin | scales[12] | qh[32] | qs[128]
+  decode_k4(b, b + 16, b + 48, w);
+}
+
+#if defined(__AVX512F__)
+template <>
+inline void decode<Q6_K>(const uint8_t* b, float* w) {  // ql[128] | qh[64] | scales[16] (int8) | d
+  const float d = half(b + 208);
+  const __m512i nibble = _mm512_set1_epi32(0x0f), crumb = _mm512_set1_epi32(3);
+  for (int e0 = 0; e0 < 256; e0 += 16) {
+    const __m512 ds = _mm512_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[192 + e0 / 16])));
+    const __m128i low_shift = _mm_cvtsi32_si128(4 * ((e0 % 128) / 64)), high_shift = _mm_cvtsi32_si128(2 * ((e0 % 128) / 32));
+    const __m512i low = _mm512_and_si512(_mm512_srl_epi32(bytes16(b + 64 * (e0 / 128) + e0 % 64), low_shift), nibble);
+    const __m512i high = _mm512_and_si512(_mm512_srl_epi32(bytes16(b + 128 + 32 * (e0 / 128) + e0 % 32), high_shift), crumb);
+    _mm512_store_ps(w + e0, _mm512_mul_ps(ds, sub_int(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), 32)));
+  }
+}
+#else
+template <>
+inline void decode<Q6_K>(const uint8_t* b, float* w) {  // ql[128] | qh[64] | scales[16] (int8) | d
+  const float d = half(b + 208);
+  for (int e0 = 0; e0 < 256; e0 += 16) {
+    const float ds = d * static_cast<float>(static_cast<int8_t>(b[192 + e0 / 16]));
+    const uint8_t* ql = b + 64 * (e0 / 128) + e0 % 64;
+    const uint8_t* qh = b + 128 + 32 * (e0 / 128) + e0 % 32;
+    const int low_shift = 4 * ((e0 % 128) / 64), high_shift = 2 * ((e0 % 128) / 32);
+    for (int l = 0; l < 16; ++l)
+      w[e0 + l] = ds * static_cast<float>(
+          (((ql[l] >> low_shift) & 0x0f) | (((qh[l] >> high_shift) & 3) << 4)) - 32);
+  }
+}
+#endif
+
+// M rows' sums of products of n floats (n a multiple of 32) with x, in two sets of accumulators so that
+// consecutive FMAs do not wait on each other.
+template <int M>
+struct DotRows {
+#if defined(__AVX512F__)
+  __m512 a[2][M];
+  DotRows() {
+    for (int m = 0; m < M; ++m) a[0][m] = a[1][m] = _mm512_setzero_ps();
+  }
+  void add(const float* w, const float* x, int64_t ldx, int64_t n) {
+    for (int64_t i = 0; i < n; i += 32) {
+      const __m512 w0 = _mm512_load_ps(w + i), w1 = _mm512_load_ps(w + i + 16);
+      for (int m = 0; m < M; ++m) {
+        a[0][m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * ldx + i), a[0][m]);
+        a[1][m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * ldx + i + 16), a[1][m]);
+      }
+    }
+  }
+  float sum(int m) const { return _mm512_reduce_add_ps(_mm512_add_ps(a[0][m], a[1][m])); }
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 a[2][M];
+  DotRows() {
+    for (int m = 0; m < M; ++m) a[0][m] = a[1][m] = _mm256_setzero_ps();
+  }
+  void add(const float* w, const float* x, int64_t ldx, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m256 w0 = _mm256_load_ps(w + i), w1 = _mm256_load_ps(w + i + 8);
+      for (int m = 0; m < M; ++m) {
+        a[0][m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * ldx + i), a[0][m]);
+        a[1][m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * ldx + i + 8), a[1][m]);
+      }
+    }
+  }
+  float sum(int m) const { return fw::sum8(_mm256_add_ps(a[0][m], a[1][m])); }
+#else
+  float a[M] = {0.f};
+  void add(const float* w, const float* x, int64_t ldx, int64_t n) {
+    for (int m = 0; m < M; ++m)
+      for (int64_t i = 0; i < n; ++i) a[m] += w[i] * x[m * ldx + i];
+  }
+  float sum(int m) const { return a[m]; }
+#endif
+};
+
+// One output row for M activation rows: each block decoded into floats (a block stays in L1) and multiplied from
+// there. Slower per weight than the own kernels' decoding in registers, but one loop serves every layout.
+template <int64_t T, int M>
+void dot_row_decoded(const float* x, const RowAux&, const uint8_t* row, float* y, int64_t ldy, int64_t,
+                     int64_t K) {
+  constexpr int64_t bs = block_size(T), bb = block_bytes(T);
+  for (int64_t off = 0; off < K / bs * bb; off += 64) fw::prefetch_ahead(row + off);  // a row's lines, once
+  alignas(64) float w[bs];
+  DotRows<M> dot;
+  for (int64_t b = 0; b < K / bs; ++b) {
+    decode<T>(row + b * bb, w);
+    dot.add(w, x + b * bs, K, bs);
+  }
+  for (int m = 0; m < M; ++m) y[m * ldy] = dot.sum(m);
+}
 
 // --- integer activations ---
 // Each block of 32 activation values becomes xq = round(x / dx), half to even as torch.round, with
@@ -352,7 +632,7 @@ struct IntBlock<T, int16_t> {  // int16 pairs: |q| <= 128 and |xq| <= 32767 cann
 template <int64_t T, typename A, int M>
 void dot_row_int(const A* xq, const float* dx, const float* xs, const uint8_t* row, float* y, int64_t ldy,
                  int64_t blocks, int64_t K) {
-  constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+  constexpr int64_t bb = block_bytes(T);
   for (int64_t off = 0; off < blocks * bb; off += 64) fw::prefetch_ahead(row + off);  // a row's lines, once
   sum_blocks<M>(blocks, y, ldy, [&](int64_t b, __m256* a, float* o) {
     const uint8_t* blk = row + b * bb;
@@ -370,7 +650,7 @@ void dot_row_int(const A* xq, const float* dx, const float* xs, const uint8_t* r
 template <int64_t T, typename A, int M>
 void dot_row_int(const A* xq, const float* dx, const float* xs, const uint8_t* row, float* y, int64_t ldy,
                  int64_t blocks, int64_t K) {
-  constexpr int64_t bb = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+  constexpr int64_t bb = block_bytes(T);
   float acc[M] = {0.f};
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = row + b * bb;
@@ -392,17 +672,20 @@ void dot_row_int(const A* xq, const float* dx, const float* xs, const uint8_t* r
 
 // --- the operators ---
 
-// Checks the (byte offset, rows, ggml type) triples against the weight; returns their total rows.
-int64_t check_shards(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef shards) {
+int64_t row_bytes(int64_t qtype, int64_t K) { return K / block_size(qtype) * block_bytes(qtype); }
+
+// Checks the (byte offset, rows, ggml type) triples against the weight (the types with kernels of their own
+// only, for the integer products); returns their total rows.
+int64_t check_shards(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef shards, bool own_only = false) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "x must be [rows, 32k]");
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8");
   TORCH_CHECK(!shards.empty() && shards.size() % 3 == 0, "shards must be (offset, rows, type) triples");
   int64_t total = 0;
   for (size_t i = 0; i < shards.size(); i += 3) {
     const int64_t offset = shards[i], rows = shards[i + 1], qtype = shards[i + 2];
-    TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "unsupported ggml type ", qtype);
-    TORCH_CHECK(offset >= 0 && offset + rows * (x.size(1) / kBlock) * block_bytes(qtype) <= weight.numel(),
-                "shard out of range");
+    TORCH_CHECK(block_bytes(qtype) && (own_kernel(qtype) || !own_only), "unsupported ggml type ", qtype);
+    TORCH_CHECK(x.size(1) % block_size(qtype) == 0, "x's features must be whole blocks of ", block_size(qtype));
+    TORCH_CHECK(offset >= 0 && offset + rows * row_bytes(qtype, x.size(1)) <= weight.numel(), "shard out of range");
     total += rows;
   }
   return total;
@@ -417,7 +700,7 @@ void for_each_span(const uint8_t* w, at::IntArrayRef shards, int64_t K, int64_t 
     for (size_t i = 0; i < shards.size() && first < end; first += shards[i + 1], i += 3) {
       const int64_t lo = std::max(begin, first), hi = std::min(end, first + shards[i + 1]);
       if (lo >= hi) continue;
-      const int64_t bytes = K / kBlock * block_bytes(shards[i + 2]);
+      const int64_t bytes = row_bytes(shards[i + 2], K);
       span(shards[i + 2], w + shards[i] + (lo - first) * bytes, bytes, lo, hi - lo);
     }
   });
@@ -427,10 +710,33 @@ using RowFn = void (*)(const float*, const RowAux&, const uint8_t*, float*, int6
 
 template <int64_t T, size_t... I>
 constexpr std::array<RowFn, kMaxRows> float_kernels(std::index_sequence<I...>) {  // for 1 .. kMaxRows rows
-  return {dot_row<T, I + 1>...};
+  if constexpr (own_kernel(T))
+    return {dot_row<T, I + 1>...};
+  else
+    return {dot_row_decoded<T, I + 1>...};
 }
 
-// x [M, K] (K a multiple of 32); weight: uint8, holding sub-matrices given as (byte offset, rows,
+// The row functions of a type without a kernel of its own.
+const std::array<RowFn, kMaxRows>& decoded_kernels(int64_t qtype) {
+  static constexpr auto kQ5_0 = float_kernels<Q5_0>(std::make_index_sequence<kMaxRows>());
+  static constexpr auto kQ5_1 = float_kernels<Q5_1>(std::make_index_sequence<kMaxRows>());
+  static constexpr auto kQ2_K = float_kernels<Q2_K>(std::make_index_sequence<kMaxRows>());
+  static constexpr auto kQ3_K = float_kernels<Q3_K>(std::make_index_sequence<kMaxRows>());
+  static constexpr auto kQ4_K = float_kernels<Q4_K>(std::make_index_sequence<kMaxRows>());
+  static constexpr auto kQ5_K = float_kernels<Q5_K>(std::make_index_sequence<kMaxRows>());
+  static constexpr auto kQ6_K = float_kernels<Q6_K>(std::make_index_sequence<kMaxRows>());
+  switch (qtype) {
+    case Q5_0: return kQ5_0;
+    case Q5_1: return kQ5_1;
+    case Q2_K: return kQ2_K;
+    case Q3_K: return kQ3_K;
+    case Q4_K: return kQ4_K;
+    case Q5_K: return kQ5_K;
+    default: return kQ6_K;
+  }
+}
+
+// x [M, K] (K whole blocks of every type); weight: uint8, holding sub-matrices given as (byte offset, rows,
 // ggml type) triples in `shards`, each rows x K weights in blocks. Returns x.dtype [M, total rows], the
 // sub-matrices' outputs side by side (q | k | v, gate | up): one call per fused layer. Activation rows go
 // in groups of at most kMaxRows, so that the accumulators stay in registers.
@@ -457,8 +763,8 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
   const int64_t group = std::max<int64_t>(1, kScaleBlocks / blocks);
   for_each_span(weight.data_ptr<uint8_t>(), shards, K, total,
                 [&](int64_t qtype, const uint8_t* rows, int64_t bytes, int64_t c, int64_t count) {
-                  if (qtype == Q8_0)
-                    return products(kQ8_0, rows, bytes, c, count,
+                  if (!own_kernel(qtype) || qtype == Q8_0)
+                    return products(qtype == Q8_0 ? kQ8_0 : decoded_kernels(qtype), rows, bytes, c, count,
                                     [](int64_t, int64_t) { return RowAux{nullptr, nullptr, nullptr}; });
                   const auto& fns = qtype == Q4_0 ? kQ4_0 : kQ4_1;
                   const auto scales = qtype == Q4_0 ? span_scales<Q4_0> : span_scales<Q4_1>;
@@ -483,7 +789,11 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
   }
   for_each_span(weight.data_ptr<uint8_t>(), shards, K, total,
                 [&](int64_t qtype, const uint8_t* rows, int64_t bytes, int64_t c, int64_t count) {
-                  products(qtype == Q4_0 ? kQ4_0 : qtype == Q4_1 ? kQ4_1 : kQ8_0, rows, bytes, c, count,
+                  products(qtype == Q4_0   ? kQ4_0
+                           : qtype == Q4_1 ? kQ4_1
+                           : qtype == Q8_0 ? kQ8_0
+                                           : decoded_kernels(qtype),
+                           rows, bytes, c, count,
                            [&](int64_t m, int64_t) { return RowAux{xsum.data() + m * blocks, nullptr, nullptr}; });
                 });
 #endif
@@ -501,7 +811,7 @@ constexpr std::array<IntFn<A>, kMaxRows> int_kernels(std::index_sequence<I...>) 
 // As quant_gemv, with each block of x rounded to A (int8 or int16) first (quantize_block).
 template <typename A>
 at::Tensor quant_gemv_int(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef shards) {
-  const int64_t total = check_shards(x, weight, shards), M = x.size(0), K = x.size(1), blocks = K / kBlock;
+  const int64_t total = check_shards(x, weight, shards, true), M = x.size(0), K = x.size(1), blocks = K / kBlock;
   auto xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   std::vector<A> xq(M * K);
@@ -524,6 +834,52 @@ at::Tensor quant_gemv_int(const at::Tensor& x, const at::Tensor& weight, at::Int
   return y.to(x.scalar_type());
 }
 
+using DecodeFn = void (*)(const uint8_t*, float*);
+
+DecodeFn decoder(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return decode<Q4_0>;
+    case Q4_1: return decode<Q4_1>;
+    case Q5_0: return decode<Q5_0>;
+    case Q5_1: return decode<Q5_1>;
+    case Q8_0: return decode<Q8_0>;
+    case Q2_K: return decode<Q2_K>;
+    case Q3_K: return decode<Q3_K>;
+    case Q4_K: return decode<Q4_K>;
+    case Q5_K: return decode<Q5_K>;
+    case Q6_K: return decode<Q6_K>;
+    default: return nullptr;
+  }
+}
+
+// blocks [rows, row bytes] of one ggml type -> [rows, K] in dtype (float32 or bfloat16, rounded to nearest even
+// as a conversion in torch), rows in parallel: what prefill-sized products multiply densely, a chunk of rows at a
+// time. The same values as dequant.py's torch decoding, several times faster.
+at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, at::ScalarType dtype) {
+  const DecodeFn decode_block = decoder(qtype);
+  TORCH_CHECK(decode_block, "unsupported ggml type ", qtype);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+                  blocks.size(1) % block_bytes(qtype) == 0,
+              "blocks must be contiguous uint8 [rows, whole blocks]");
+  const int64_t rows = blocks.size(0), per_row = blocks.size(1) / block_bytes(qtype), bs = block_size(qtype);
+  auto out = at::empty({rows, per_row * bs}, blocks.options().dtype(dtype));
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  at::parallel_for(0, rows * per_row, 64, [&](int64_t begin, int64_t end) {
+    alignas(64) float w[256];
+    for (int64_t b = begin; b < end; ++b) {
+      decode_block(src + b * block_bytes(qtype), w);
+      if (dtype == at::kFloat) {
+        std::memcpy(out.data_ptr<float>() + b * bs, w, bs * sizeof(float));
+      } else {
+        auto* o = out.data_ptr<at::BFloat16>() + b * bs;
+        for (int64_t j = 0; j < bs; ++j) o[j] = at::BFloat16(w[j]);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fw_quant_gguf, m) {
@@ -533,4 +889,6 @@ TORCH_LIBRARY(fw_quant_gguf, m) {
   m.impl("quant_gemv_a8", c10::DispatchKey::CPU, TORCH_FN(quant_gemv_int<int8_t>));
   m.def("quant_gemv_a16(Tensor x, Tensor weight, int[] shards) -> Tensor");
   m.impl("quant_gemv_a16", c10::DispatchKey::CPU, TORCH_FN(quant_gemv_int<int16_t>));
+  m.def("dequantize(Tensor blocks, int qtype, ScalarType dtype) -> Tensor");
+  m.impl("dequantize", c10::DispatchKey::CPU, TORCH_FN(dequantize));
 }
