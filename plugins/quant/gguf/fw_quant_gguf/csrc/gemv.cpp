@@ -325,6 +325,39 @@ inline void decode<Q5_1>(const uint8_t* b, float* w) {
   _mm512_store_ps(w, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), m));
   _mm512_store_ps(w + 16, _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), m));
 }
+#elif defined(__AVX2__)
+// Q5_0 / Q5_1's integers, eight elements a vector (0-7, 8-15, 16-23, 24-31): the nibbles as Q4_0's, each
+// element's fifth bit shifted out of the little-endian uint32 qh by a shift per lane.
+inline void five_bit(const uint8_t* qh_bytes, const uint8_t* qs, __m256i q[4]) {
+  uint32_t qh;
+  std::memcpy(&qh, qh_bytes, 4);
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
+  const __m256i mask = _mm256_set1_epi32(0x0f), bits = _mm256_set1_epi32(static_cast<int>(qh)), one = _mm256_set1_epi32(1);
+  q[0] = _mm256_and_si256(a, mask), q[1] = _mm256_and_si256(b, mask);
+  q[2] = _mm256_srli_epi32(a, 4), q[3] = _mm256_srli_epi32(b, 4);
+  for (int k = 0; k < 4; ++k) {
+    const __m256i lane = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * k));
+    q[k] = _mm256_or_si256(q[k], _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(bits, lane), one), 4));
+  }
+}
+
+template <>
+inline void decode<Q5_0>(const uint8_t* b, float* w) {
+  const __m256 d = _mm256_set1_ps(half(b));
+  __m256i q[4];
+  five_bit(b + 2, b + 6, q);
+  for (int k = 0; k < 4; ++k)
+    _mm256_store_ps(w + 8 * k, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[k], _mm256_set1_epi32(16)))));
+}
+
+template <>
+inline void decode<Q5_1>(const uint8_t* b, float* w) {
+  const __m256 d = _mm256_set1_ps(half(b)), m = _mm256_set1_ps(half(b + 2));
+  __m256i q[4];
+  five_bit(b + 4, b + 8, q);
+  for (int k = 0; k < 4; ++k) _mm256_store_ps(w + 8 * k, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[k])), m));
+}
 #else
 // Q5_0 / Q5_1: a little-endian uint32 whose bit j is element j's fifth bit, then the nibbles as Q4_0's.
 inline void five_bit(const uint8_t* qh_bytes, const uint8_t* qs, float* q) {
@@ -393,17 +426,19 @@ inline void k4_scale(const uint8_t* s, int j, int& scale, int& min) {
 #if defined(__AVX512F__)
 inline void decode_k4(const uint8_t* b, const uint8_t* high, const uint8_t* qs, float* w) {
   const float d = half(b), dmin = half(b + 2);
-  const __m512i nibble = _mm512_set1_epi32(0x0f), fifth = _mm512_set1_epi32(16);
-  for (int j = 0; j < 8; ++j) {  // sub-block j: nibbles of bytes 32 (j / 2) on, low ones for even j
+  const __m256i nibble = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+  const __m256i qh = high ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high)) : _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) {  // sub-block j: nibbles of bytes 32 (j / 2) on, low ones for even j, as bytes
     int scale, min;
     k4_scale(b + 4, j, scale, min);
     const __m512 ds = _mm512_set1_ps(d * static_cast<float>(scale)), dm = _mm512_set1_ps(dmin * static_cast<float>(min));
-    const uint8_t* q = qs + 32 * (j / 2);
-    const __m128i shift = _mm_cvtsi32_si128(4 * (j % 2));
-    for (int h = 0; h < 2; ++h) {
-      __m512i v = _mm512_and_si512(_mm512_srl_epi32(bytes16(q + 16 * h), shift), nibble);
-      if (high) v = _mm512_mask_or_epi32(v, _mm512_test_epi32_mask(bytes16(high + 16 * h), _mm512_set1_epi32(1 << j)), v, fifth);
-      _mm512_store_ps(w + 32 * j + 16 * h, _mm512_sub_ps(_mm512_mul_ps(ds, _mm512_cvtepi32_ps(v)), dm));
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (j / 2)));
+    __m256i q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
+    if (high) q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one), 4));
+    for (int k = 0; k < 2; ++k) {
+      const __m128i part = k ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(part));
+      _mm512_store_ps(w + 32 * j + 16 * k, _mm512_sub_ps(_mm512_mul_ps(ds, v), dm));
     }
   }
 }
@@ -434,17 +469,49 @@ inline void decode<Q5_K>(const uint8_t* b, float* w) {  // d | dmin | scales[12]
   decode_k4(b, b + 16, b + 48, w);
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 64 elements at a time as bytes: q - 32 = (low nibble | high crumb << 4) - 32, then 16 at a time to floats.
 template <>
 inline void decode<Q6_K>(const uint8_t* b, float* w) {  // ql[128] | qh[64] | scales[16] (int8) | d
   const float d = half(b + 208);
-  const __m512i nibble = _mm512_set1_epi32(0x0f), crumb = _mm512_set1_epi32(3);
-  for (int e0 = 0; e0 < 256; e0 += 16) {
-    const __m512 ds = _mm512_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[192 + e0 / 16])));
-    const __m128i low_shift = _mm_cvtsi32_si128(4 * ((e0 % 128) / 64)), high_shift = _mm_cvtsi32_si128(2 * ((e0 % 128) / 32));
-    const __m512i low = _mm512_and_si512(_mm512_srl_epi32(bytes16(b + 64 * (e0 / 128) + e0 % 64), low_shift), nibble);
-    const __m512i high = _mm512_and_si512(_mm512_srl_epi32(bytes16(b + 128 + 32 * (e0 / 128) + e0 % 32), high_shift), crumb);
-    _mm512_store_ps(w + e0, _mm512_mul_ps(ds, sub_int(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), 32)));
+  const __m512i nibble = _mm512_set1_epi8(0x0f), crumb = _mm512_set1_epi8(3), offset = _mm512_set1_epi8(32);
+  for (int h = 0; h < 2; ++h) {  // elements 128 h on: ql's 64 bytes, qh's 32 (in both halves of a vector)
+    const __m512i ql = _mm512_loadu_si512(b + 64 * h);
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h)));
+    for (int t = 0; t < 2; ++t) {  // elements 128 h + 64 t on: ql's low (t = 0) or high nibbles, qh's crumbs 2t, 2t + 1
+      const __m512i low = _mm512_and_si512(t ? _mm512_srli_epi16(ql, 4) : ql, nibble);
+      // 16-bit lanes 0-15 (qh's first copy) shift by 4t, lanes 16-31 by 4t + 2: a byte's crumb sits in its low bits.
+      const __m512i shift = _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16(4 * t), _mm512_set1_epi16(4 * t + 2));
+      const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(qh, shift), crumb);
+      const __m512i q = _mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), offset);
+      for (int k = 0; k < 4; ++k) {
+        const int e0 = 128 * h + 64 * t + 16 * k;
+        const __m512 ds = _mm512_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[192 + e0 / 16])));
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, k)));
+        _mm512_store_ps(w + e0, _mm512_mul_ps(ds, v));
+      }
+    }
+  }
+}
+#elif defined(__AVX2__)
+// As the AVX-512 version, 32 elements at a time as bytes.
+template <>
+inline void decode<Q6_K>(const uint8_t* b, float* w) {  // ql[128] | qh[64] | scales[16] (int8) | d
+  const float d = half(b + 208);
+  const __m256i nibble = _mm256_set1_epi8(0x0f), crumb = _mm256_set1_epi8(3), offset = _mm256_set1_epi8(32);
+  for (int e0 = 0; e0 < 256; e0 += 32) {  // ql's 32 bytes 64 h + 32 u, low nibbles for t = 0; qh's crumb 2t + u
+    const int h = e0 / 128, t = (e0 % 128) / 64, u = (e0 % 64) / 32;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * u));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m256i low = _mm256_and_si256(t ? _mm256_srli_epi16(ql, 4) : ql, nibble);
+    const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(4 * t + 2 * u)), crumb);
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), offset);
+    for (int k = 0; k < 4; ++k) {
+      const __m256 ds = _mm256_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[192 + (e0 + 8 * k) / 16])));
+      const __m128i part = k < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+      const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(k % 2 ? _mm_unpackhi_epi64(part, part) : part));
+      _mm256_store_ps(w + e0 + 8 * k, _mm256_mul_ps(ds, v));
+    }
   }
 }
 #else
