@@ -72,16 +72,20 @@ def test_q8_0_requantization_gives_ggml_blocks():
     assert torch.equal(quantize_q8_0(table), torch.from_numpy(blocks))
 
 
-@pytest.mark.parametrize("embed_type", [Q.Q8_0, Q.F16])
-def test_gguf_head_keeps_its_q8_0_blocks_only_when_exact(tmp_path, embed_type):
-    """A float32 model whose tied table came from Q8_0 computes its logits on those blocks, as its float head
-    would; a table of another type keeps the float head."""
-    src = make_tiny_model("LlamaForCausalLM", tmp_path / "llama", tie_word_embeddings=True)
-    path = gguf_tests.write_gguf(src, tmp_path / "tiny.gguf", Q.Q8_0, {"embed_tokens": embed_type})
+@pytest.mark.parametrize("embed_type", [Q.Q8_0, Q.F16, Q.Q6_K, Q.Q4_K])
+@pytest.mark.parametrize("tied", [True, False])
+def test_gguf_head_keeps_its_blocks(tmp_path, embed_type, tied):
+    """A float32 model whose head (tied table or output) came from Q8_0 or a K-quant computes its logits on the
+    file's blocks, as its float head would; a float table keeps the float head. Hidden size 256: one K-quant
+    super-block a row."""
+    src = make_tiny_model("LlamaForCausalLM", tmp_path / "llama", tie_word_embeddings=tied, hidden_size=256)
+    part = "embed_tokens" if tied else "lm_head"
+    path = gguf_tests.write_gguf(src, tmp_path / "tiny.gguf", Q.Q8_0, {part: embed_type})
     model = gguf_tests.load_gguf(path)
     head = model.lm_head
-    assert (head.quantized is not None) == (embed_type == Q.Q8_0)
+    assert (head.quantized is not None) == (embed_type != Q.F16)
+    table = model.model.embed_tokens.weight if tied else dict(gguf_tests.dequantized_gguf(path, None))["lm_head.weight"]
     hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
     logits = head(hidden)
     assert logits.dtype == torch.float32
-    torch.testing.assert_close(logits, hidden @ model.model.embed_tokens.weight.T, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, hidden @ table.T, atol=1e-4, rtol=1e-4)

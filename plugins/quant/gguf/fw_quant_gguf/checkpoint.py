@@ -5,7 +5,8 @@ Weights of linear layers (``*_proj.weight``) are handed over as they are stored:
 dimension, so every row is self-contained. Their ggml types are listed in the config's
 ``quantization_config["tensor_types"]`` (keyed by HF name), which is how each linear layer knows its
 layout when it is built, before any tensor is read. Every other tensor (embeddings, LM head, norms,
-biases) is dequantized to float32 here: those layers are not quantized in fw.
+biases) is dequantized to float32 here. The LM head's blocks (``output``, or the tied ``token_embd``) are
+where ``quantization_config["head"]`` says in the file, for the quant method to read them again.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def _torch_dtype(file_type: int | None, linear_types: set[GGMLQuantizationType])
     return floats[next(iter(linear_types))] if len(linear_types) == 1 and linear_types <= floats.keys() else "float32"
 
 
-def hf_config(reader: GGUFReader) -> dict[str, Any]:
+def hf_config(reader: GGUFReader, path: str) -> dict[str, Any]:
     arch = metadata(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
@@ -152,6 +153,7 @@ def hf_config(reader: GGUFReader) -> dict[str, Any]:
         raise ModelError("GGUF file has no token_embd.weight tensor")
     linear = {hf_name(t.name): t.tensor_type for t in reader.tensors if is_linear_weight(hf_name(t.name))}
     file_type = metadata(reader, "general.file_type")
+    head = tensors.get("output.weight", embedding)
     return {
         "architectures": [ARCHITECTURES[arch]],
         "model_type": arch,
@@ -179,6 +181,9 @@ def hf_config(reader: GGUFReader) -> dict[str, Any]:
             "quant_method": "gguf",
             "file_type": next((t.name for t in LlamaFileType if t == file_type), file_type),
             "tensor_types": {name: qtype.name for name, qtype in linear.items()},
+            # The head's blocks, by byte range: reading them needs no second parse of the file.
+            "head": {"file": os.path.realpath(path), "offset": int(head.data_offset), "type": head.tensor_type.name,
+                     "rows": int(head.shape[1]), "row_bytes": int(head.n_bytes) // int(head.shape[1])},
         },
     }
 

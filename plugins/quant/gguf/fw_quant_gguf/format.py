@@ -18,7 +18,7 @@ from fw_quant_gguf import checkpoint, tokenizer
 
 class GGUFFormat(CheckpointFormat):
     def config(self, model_path: str) -> dict[str, Any]:
-        return checkpoint.hf_config(checkpoint.open_reader(model_path))
+        return checkpoint.hf_config(checkpoint.open_reader(model_path), model_path)
 
     def weights(self, model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
         return checkpoint.iter_tensors(model_path)

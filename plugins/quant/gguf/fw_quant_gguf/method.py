@@ -34,6 +34,7 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
@@ -271,22 +272,53 @@ class GGUFMethod(QuantMethod):
         return GGUFLinearMethod(types, self.dequantize_at_load, self.int8_activations)
 
     def get_logits_method(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """Q8_0 blocks for a head whose float32 table is exactly a Q8_0 table (as one dequantized from the file's
-        Q8_0 is: it requantizes to the same blocks, checked): the logits keep their weights, while the head, a
-        small model's largest matrix and read in full every decode step, reads a quarter of the bytes. Any other
-        table keeps the float head."""
-        q8 = GGMLQuantizationType.Q8_0
-        if self.dequantize_at_load or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[1] % 32:
+        """The head on ggml blocks, where the native kernels read them: the logits keep their weights, while the
+        head, a small model's largest matrix and read in full every decode step, reads a quarter (Q8_0) to a
+        seventh (Q4_K) of the float table's bytes. The blocks are the file's own (``output``, or the tied
+        ``token_embd``), read again and checked against the loaded table; a table that holds a rank's rows only
+        (tensor parallel) keeps its weights if it is exactly a Q8_0 table (as one dequantized from the file's Q8_0
+        is: it requantizes to the same blocks, checked). Any other table keeps the float head."""
+        if (self.dequantize_at_load or weight.dtype != torch.float32 or weight.device.type != "cpu"
+                or not native.load("fw_quant_gguf", _SOURCE)):
             return None
-
-        def exact(rows: torch.Tensor) -> torch.Tensor | None:
-            data = quantize_q8_0(rows)
-            return data if torch.equal(dequantize(data, q8, torch.float32), rows) else None
-
-        # A few rows first: a table of another type fails there, before the whole table is requantized.
-        if exact(weight[:64]) is None or (data := exact(weight)) is None:
+        found = self._file_head(weight) or _q8_0_head(weight)
+        if found is None:
             return None
+        qtype, data = found
         rows, width = weight.shape
-        shards = [_Shard(q8, 0, rows, data.shape[1])]
+        shards = [_Shard(qtype, 0, rows, data.shape[1])]
         kernel = _select(data.flatten(), shards, *_layout(shards, width), width, torch.float32, self.int8_activations)
         return lambda hidden: kernel(hidden.float())
+
+    def _file_head(self, weight: torch.Tensor) -> tuple[GGMLQuantizationType, torch.Tensor] | None:
+        head = self.quant_config.get("head")
+        if head is None or head["type"] not in GGMLQuantizationType.__members__:
+            return None
+        qtype = GGMLQuantizationType[head["type"]]
+        if qtype not in _NATIVE_TYPES or head["rows"] != weight.shape[0]:
+            return None
+        try:
+            raw = np.fromfile(head["file"], dtype=np.uint8, count=head["rows"] * head["row_bytes"],
+                              offset=head["offset"])
+        except OSError:
+            return None
+        if raw.size != head["rows"] * head["row_bytes"]:
+            return None
+        data = torch.from_numpy(raw).view(head["rows"], head["row_bytes"])
+        return (qtype, data) if torch.equal(_native_decode(data, qtype, torch.float32), weight) else None
+
+
+def _q8_0_head(weight: torch.Tensor) -> tuple[GGMLQuantizationType, torch.Tensor] | None:
+    """Q8_0 blocks that decode to exactly ``weight``, or None."""
+    q8 = GGMLQuantizationType.Q8_0
+    if weight.shape[1] % 32:
+        return None
+
+    def exact(rows: torch.Tensor) -> torch.Tensor | None:
+        data = quantize_q8_0(rows)
+        return data if torch.equal(dequantize(data, q8, torch.float32), rows) else None
+
+    # A few rows first: a table of another type fails there, before the whole table is requantized.
+    if exact(weight[:64]) is None or (data := exact(weight)) is None:
+        return None
+    return q8, data
