@@ -817,12 +817,17 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
   static constexpr auto kQ8_0 = float_kernels<Q8_0>(std::make_index_sequence<kMaxRows>());
   float* yp = y.data_ptr<float>();
   // rows(fns, first row, count, aux of the first row): the products of `count` rows from `first`.
+  // More than kMaxRows rows of x pass over the same weight rows once per group of x rows: a few weight rows at a
+  // time (kPassBytes), which stay in L1 and L2 between the passes instead of streaming from memory again.
+  constexpr int64_t kPassBytes = 32 << 10;
   auto products = [&](const std::array<RowFn, kMaxRows>& fns, const uint8_t* first, int64_t bytes, int64_t c,
                       int64_t count, const auto& aux) {
-    for (int64_t m = 0; m < M; m += kMaxRows)
-      for (int64_t n = 0; n < count; ++n)
-        fns[std::min(kMaxRows, M - m) - 1](xp + m * K, aux(m, n), first + n * bytes, yp + m * total + c + n, total,
-                                           blocks, K);
+    const int64_t pass = M <= kMaxRows ? count : std::max<int64_t>(1, kPassBytes / bytes);
+    for (int64_t n0 = 0; n0 < count; n0 += pass)
+      for (int64_t m = 0; m < M; m += kMaxRows)
+        for (int64_t n = n0; n < std::min(count, n0 + pass); ++n)
+          fns[std::min(kMaxRows, M - m) - 1](xp + m * K, aux(m, n), first + n * bytes, yp + m * total + c + n, total,
+                                             blocks, K);
   };
 #if defined(__AVX512F__)
   // The scales of up to kScaleBlocks blocks (a few rows) at a time.
