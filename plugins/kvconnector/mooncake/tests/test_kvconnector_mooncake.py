@@ -310,7 +310,12 @@ def test_a_master_that_stopped_answering_costs_one_wait_not_one_per_request(refe
     assert [o.outputs[0].token_ids for o in outputs] == reference
     # One wait for each of the engine's two store clients (lookups, saves): the first call's answer never comes,
     # and while it is awaited every later call is refused at once.
-    assert fresh.llm_engine.stats().kv_connector.hits == 0 and store_waits(caplog) == 2, caplog.text
+    assert store_waits(caplog) == 2, caplog.text
+    # Nothing comes from a stopped master. A lookup was once seen answered all the same (1 CI run in 5, 64 hits:
+    # Mooncake's client knew the blocks this process had saved); the load that followed failed, and the prompt
+    # was computed.
+    stats = fresh.llm_engine.stats().kv_connector
+    assert stats.bytes_loaded == 0 and (stats.hits == 0 or stats.failed_loads > 0), stats
 
 
 @needs_mooncake
