@@ -268,6 +268,8 @@ def _gguf_examples(op):
             offset += rows * width
         blocks = gguf_method._Blocks(torch.cat(data), shards, [v for s in shards for v in (s.offset, s.rows, int(s.qtype))])
         yield blocks, (lambda rows: (torch.randn(rows, in_features).bfloat16(),)), (None,)
+    # float32 activations, a GGUF file's default: their own products (fw-dequant's oneDNN one)
+    yield blocks, (lambda rows: (torch.randn(rows, in_features),)), (None,)
 
 
 def _fp8_examples(op):
@@ -406,7 +408,7 @@ def _key(op_name: str, weight, sample) -> tuple:
     if op_name.startswith("int."):
         return packed.key(weight, torch.bfloat16)
     shards = tuple((s.qtype.name, s.rows) for s in weight.chunks)
-    return shards, 256, "bfloat16", "cpu"
+    return shards, 256, str(sample(1)[0].dtype).removeprefix("torch."), "cpu"
 
 
 def test_the_dense_candidates_this_cpu_runs(cache):

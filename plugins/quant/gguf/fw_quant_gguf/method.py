@@ -177,15 +177,16 @@ class _Blocks:
 
 
 def _dequantized(blocks: _Blocks, x: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 decode: Callable[..., torch.Tensor] = dequantize) -> torch.Tensor:
+                 decode: Callable[..., torch.Tensor] = dequantize,
+                 product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear) -> torch.Tensor:
     def weight(c: _Shard) -> torch.Tensor:
         return decode(blocks.data[c.offset : c.offset + c.nbytes].view(c.rows, c.row_bytes), c.qtype, dtype)
 
     x = x.to(dtype)
     if len(blocks.chunks) == 1:
-        out = F.linear(x, weight(blocks.chunks[0]))
+        out = product(x, weight(blocks.chunks[0]))
     else:
-        out = torch.cat([F.linear(x, weight(c)) for c in blocks.chunks], dim=-1)
+        out = torch.cat([product(x, weight(c)) for c in blocks.chunks], dim=-1)
     return out if bias is None else out + bias.to(dtype)
 
 
@@ -213,6 +214,15 @@ def _native_decode(data: torch.Tensor, qtype: GGMLQuantizationType, dtype: torch
     return torch.ops.fw_quant_gguf.dequantize(data, int(qtype), torch.float32).to(dtype)
 
 
+def _dense_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for a freshly decoded chunk: float32 through oneDNN, which on a Zen 5 ran 400-470 GFLOP/s
+    at 128-256 rows where ``F.linear`` (MKL) ran 155-215; other dtypes through ``F.linear`` (oneDNN already)."""
+    if x.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return F.linear(x, weight)
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), weight, None, "none", [], "")
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def _native_supports(key: tuple, types: frozenset = _NATIVE_TYPES) -> bool:
     shards, _, _, device = key
     return (device == "cpu" and all(GGMLQuantizationType[t] in types for t, _ in shards)
@@ -231,7 +241,8 @@ PRODUCT.register(kernels.Candidate("fw", _native, supports=_native_supports))
 PRODUCT.register(kernels.Candidate(
     "fw-a16", _native_a16, supports=lambda key: key[2] in ("bfloat16", "float16") and _int_supports(key)))
 PRODUCT.register(kernels.Candidate(
-    "fw-dequant", lambda b, x, bias=None: _dequantized(b, x, bias, x.dtype, _native_decode), supports=_native_supports))
+    "fw-dequant", lambda b, x, bias=None: _dequantized(b, x, bias, x.dtype, _native_decode, _dense_product),
+    supports=_native_supports))
 PRODUCT.register(kernels.Candidate("torch", lambda b, x, bias=None: _dequantized(b, x, bias, x.dtype)))
 PRODUCT.register(kernels.Candidate(
     "torch-fp32", lambda b, x, bias=None: _dequantized(b, x, bias, torch.float32).to(x.dtype),
