@@ -386,6 +386,62 @@ inline void decode<Q5_1>(const uint8_t* b, float* w) {
 }
 #endif
 
+// Q3_K's sixteen 6-bit scales (minus 32): low nibbles from bytes 0-7, top crumbs from bytes 8-11.
+inline int q3_scale(const uint8_t* packed, int i) {
+  const int low = i < 8 ? packed[i] & 0x0f : packed[i - 8] >> 4, high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
+  return (low | (high << 4)) - 32;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The 2-bit fields of Q2_K and Q3_K: element 128 h + 32 s + l is crumb s of qs[32 h + l]. Elements 128 h + 64 p
+// on as 64 bytes: qs's 32 bytes in both halves of a vector, shifted by 4p and 4p + 2.
+inline __m512i crumbs64(const uint8_t* qs, int h, int p) {
+  const __m512i bytes = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * h)));
+  const __m512i shift = _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16(4 * p), _mm512_set1_epi16(4 * p + 2));
+  return _mm512_and_si512(_mm512_srlv_epi16(bytes, shift), _mm512_set1_epi8(3));
+}
+
+// 64 signed bytes, 16 at a time times a scale (and minus a min), into w.
+template <bool kMin>
+inline void store64(__m512i q, const float* ds, const float* dm, float* w) {
+  for (int k = 0; k < 4; ++k) {
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, k)));
+    const __m512 scaled = _mm512_mul_ps(_mm512_set1_ps(ds[k]), v);
+    _mm512_store_ps(w + 16 * k, kMin ? _mm512_sub_ps(scaled, _mm512_set1_ps(dm[k])) : scaled);
+  }
+}
+
+template <>
+inline void decode<Q2_K>(const uint8_t* b, float* w) {  // scales[16] | qs[64] | d | dmin
+  const float d = half(b + 80), dmin = half(b + 82);
+  for (int e0 = 0; e0 < 256; e0 += 64) {
+    float ds[4], dm[4];
+    for (int k = 0; k < 4; ++k) {
+      const uint8_t sc = b[e0 / 16 + k];
+      ds[k] = d * static_cast<float>(sc & 0x0f), dm[k] = dmin * static_cast<float>(sc >> 4);
+    }
+    store64<true>(crumbs64(b + 16, e0 / 128, (e0 % 128) / 64), ds, dm, w + e0);
+  }
+}
+
+template <>
+inline void decode<Q3_K>(const uint8_t* b, float* w) {  // hmask[32] | qs[64] | scales[12] | d
+  const float d = half(b + 108);
+  const __m512i hmask = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+  for (int e0 = 0; e0 < 256; e0 += 64) {
+    const int h = e0 / 128, p = (e0 % 128) / 64;
+    float ds[4];
+    for (int k = 0; k < 4; ++k) ds[k] = d * static_cast<float>(q3_scale(b + 96, e0 / 16 + k));
+    // Element e's hmask bit is bit e / 32 = 4h + 2p (+ 1 in the second half) of hmask[e % 32]; clear: minus 4.
+    const __m512i shift = _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16(4 * h + 2 * p),
+                                                  _mm512_set1_epi16(4 * h + 2 * p + 1));
+    const __m512i bit = _mm512_and_si512(_mm512_srlv_epi16(hmask, shift), _mm512_set1_epi8(1));
+    const __m512i q = _mm512_sub_epi8(_mm512_add_epi8(crumbs64(b + 32, h, p), _mm512_slli_epi16(bit, 2)),
+                                      _mm512_set1_epi8(4));
+    store64<false>(q, ds, nullptr, w + e0);
+  }
+}
+#else
 template <>
 inline void decode<Q2_K>(const uint8_t* b, float* w) {  // scales[16] | qs[64] | d | dmin
   const float d = half(b + 80), dmin = half(b + 82);
@@ -403,8 +459,7 @@ inline void decode<Q3_K>(const uint8_t* b, float* w) {  // hmask[32] | qs[64] | 
   const float d = half(b + 108);
   for (int e0 = 0; e0 < 256; e0 += 16) {
     const int i = e0 / 16;
-    const int low = i < 8 ? packed[i] & 0x0f : packed[i - 8] >> 4, high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
-    const float ds = d * static_cast<float>((low | (high << 4)) - 32);
+    const float ds = d * static_cast<float>(q3_scale(packed, i));
     const uint8_t* qs = b + 32 + 32 * (e0 / 128) + e0 % 32;
     const uint8_t* hm = b + e0 % 32;
     const int shift = 2 * ((e0 % 128) / 32), bit = e0 / 32;
@@ -412,6 +467,7 @@ inline void decode<Q3_K>(const uint8_t* b, float* w) {  // hmask[32] | qs[64] | 
       w[e0 + l] = ds * static_cast<float>(((qs[l] >> shift) & 3) - (((hm[l] >> bit) & 1) ? 0 : 4));
   }
 }
+#endif
 
 // Q4_K / Q5_K: eight 6-bit scales and mins packed in 12 bytes.
 inline void k4_scale(const uint8_t* s, int j, int& scale, int& min) {
