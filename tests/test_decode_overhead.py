@@ -17,7 +17,9 @@ from fw.layers.rotary import RotaryEmbedding
 from fw.sdk import native_ops
 from fw.sdk.activation import silu_and_mul
 from fw.testing.models import make_tiny_model
-from fw_quant_gguf.method import quantize_q8_0
+from fw_quant_gguf.format import GGUFFormat
+from fw_quant_gguf.method import GGUFMethod, quantize_q8_0
+from fw_quant_gguf.spec import GGUFOptions
 
 
 @pytest.fixture
@@ -89,3 +91,12 @@ def test_gguf_head_keeps_its_blocks(tmp_path, embed_type, tied):
     logits = head(hidden)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, hidden @ table.T, atol=1e-4, rtol=1e-4)
+    if embed_type == Q.F16:
+        return
+    # The blocks are the file's own, of its type; blocks that do not decode to the table (here: read one byte
+    # off) are refused.
+    config = GGUFFormat().config(str(path))["quantization_config"]
+    found = GGUFMethod(GGUFOptions(), config)._file_head(table)
+    assert found is not None and found[0] == embed_type
+    config["head"]["offset"] += 1
+    assert GGUFMethod(GGUFOptions(), config)._file_head(table) is None

@@ -76,7 +76,7 @@ def main() -> None:
     p.add_argument("--outtype", default="bf16", choices=("bf16", "q8_0", "q4_0", "q4_k_m"),
                    help="What --model converts to: bf16 (the peer comparison), q8_0 (against fw's 8-bit paths), "
                    "q4_0 (against 4-bit GPTQ/AWQ: the bf16 file quantized by llama.cpp's own quantizer) or q4_k_m "
-                   "(llama.cpp's most used mix: Q4_K, Q6_K, and Q5_0 where rows are not whole K-quant blocks).")
+                   "(llama.cpp's most used mix of Q4_K and Q6_K; Q5_0 and Q8_0 instead where rows are not whole K-quant blocks).")
     args = p.parse_args()
     if not (args.model or args.gguf):
         p.error("give --model DIR or --gguf FILE")

@@ -288,9 +288,11 @@ class GGUFMethod(QuantMethod):
         seventh (Q4_K) of the float table's bytes. The blocks are the file's own (``output``, or the tied
         ``token_embd``), read again and checked against the loaded table; a table that holds a rank's rows only
         (tensor parallel) keeps its weights if it is exactly a Q8_0 table (as one dequantized from the file's Q8_0
-        is: it requantizes to the same blocks, checked). Any other table keeps the float head."""
+        is: it requantizes to the same blocks, checked). Any other table keeps the float head, as does a machine
+        without the native kernels (the torch candidates would dequantize the whole head every step); while they
+        build in the background, kernel choice takes them up once they land."""
         if (self.dequantize_at_load or weight.dtype != torch.float32 or weight.device.type != "cpu"
-                or not native.load("fw_quant_gguf", _SOURCE)):
+                or not (native.load("fw_quant_gguf", _SOURCE) or "fw_quant_gguf" in native.building())):
             return None
         found = self._file_head(weight) or _q8_0_head(weight)
         if found is None:
@@ -316,7 +318,12 @@ class GGUFMethod(QuantMethod):
         if raw.size != head["rows"] * head["row_bytes"]:
             return None
         data = torch.from_numpy(raw).view(head["rows"], head["row_bytes"])
-        return (qtype, data) if torch.equal(_native_decode(data, qtype, torch.float32), weight) else None
+        decode = _native_decode if native.load("fw_quant_gguf", _SOURCE) else dequantize
+        # A few thousand rows at a time: a whole decoded copy would be the float table's size again.
+        for start in range(0, len(data), 4096):
+            if not torch.equal(decode(data[start : start + 4096], qtype, torch.float32), weight[start : start + 4096]):
+                return None
+        return qtype, data
 
 
 def _q8_0_head(weight: torch.Tensor) -> tuple[GGMLQuantizationType, torch.Tensor] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import platform
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -558,6 +559,43 @@ def test_native_dequantize_is_the_torch_decoding_bit_for_bit(qtype):
         torch.testing.assert_close(got, expected.to(dtype), rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="unsupported ggml type"):
         torch.ops.fw_quant_gguf.dequantize(raw, 99, torch.float32)
+
+
+@pytest.fixture(scope="module", params=["x86-64-v3", "x86-64"])
+def narrower_build(request):
+    """csrc/gemv.cpp built again for a narrower x86 CPU (AVX2, then SSE2 only), under an operator namespace of its
+    own: the decoders a machine with AVX-512 never runs otherwise."""
+    from torch.utils import cpp_extension
+
+    from fw.sdk import native
+
+    _native_gguf()
+    if platform.machine() != "x86_64":
+        pytest.skip("the narrower builds are x86 ones")
+    name = "fw_quant_gguf_" + request.param.replace("-", "_")
+    source = fw_quant_gguf.method._SOURCE.read_text().replace("TORCH_LIBRARY(fw_quant_gguf,", f"TORCH_LIBRARY({name},")
+    folder = native.build_directory(name, fw_quant_gguf.method._SOURCE) / request.param
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "gemv.cpp").write_text(source)
+    cpp_extension.load(name, [str(folder / "gemv.cpp")], build_directory=str(folder), is_python_module=False,
+                       extra_cflags=["-O3", f"-march={request.param}", "-fopenmp", f"-I{native.INCLUDE}"],
+                       extra_ldflags=["-fopenmp"])
+    return getattr(torch.ops, name)
+
+
+@pytest.mark.slow  # two builds of the kernels
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_narrower_builds_decode_every_type_as_torch_does(narrower_build, qtype):
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    rng = np.random.default_rng(int(qtype))
+    raw = random_blocks(qtype, 40, 3 * block, rng, scale=0.01)
+    weight = dequantize(raw, qtype)
+    torch.testing.assert_close(narrower_build.dequantize(raw, int(qtype), torch.float32), weight, rtol=0, atol=0)
+    for m in (1, 3, 9):  # 9: two groups of register rows, and passes over the weight rows
+        x = torch.from_numpy(rng.standard_normal((m, 3 * block)).astype(np.float32))
+        out = narrower_build.quant_gemv(x, raw.view(-1), [0, 40, int(qtype)])
+        expected = x @ weight.T
+        torch.testing.assert_close(out, expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-5)
 
 
 def _blocks(types_rows: list[tuple[Q, int]], size: int, seed: int) -> fw_quant_gguf.method._Blocks:

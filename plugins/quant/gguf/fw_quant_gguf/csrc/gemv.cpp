@@ -268,6 +268,9 @@ void dot_row(const float* x, const RowAux& aux, const uint8_t* row, float* y, in
 // --- every type: blocks decoded into floats ---
 // decode<T>(block, w): a block's weights as floats, in element order, each computed as dequant.py computes it
 // (scale times integer, minus the min where there is one). The K-quants' layouts: see dequant.py's comments.
+// The products are exact in float32 (an fp16 scale's 11 bits times a sub-block scale of at most 8 and an integer
+// of at most 6 bits: 24 bits at most), so the one rounding is the min's, whether or not the compiler fuses the
+// multiply and the subtraction into an FMA: the results equal torch's bit for bit.
 template <int64_t T>
 void decode(const uint8_t* b, float* w);
 
@@ -294,7 +297,7 @@ inline void decode<Q8_0>(const uint8_t* b, float* w) {
 }
 
 #if defined(__AVX512F__)
-// Vectors of 16 elements: a - b and d q + m as separate roundings, as dequant.py's torch ops compute them (no FMA).
+// q - b as floats, and 16 bytes as int32 lanes.
 inline __m512 sub_int(__m512i q, int b) { return _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(b))); }
 inline __m512i bytes16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
