@@ -993,19 +993,22 @@ at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, at::ScalarType dt
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
                   blocks.size(1) % block_bytes(qtype) == 0,
               "blocks must be contiguous uint8 [rows, whole blocks]");
-  const int64_t rows = blocks.size(0), per_row = blocks.size(1) / block_bytes(qtype), bs = block_size(qtype);
+  const int64_t bb = block_bytes(qtype), bs = block_size(qtype), rows = blocks.size(0), per_row = blocks.size(1) / bb;
   auto out = at::empty({rows, per_row * bs}, blocks.options().dtype(dtype));
   const uint8_t* src = blocks.data_ptr<uint8_t>();
+  // float32 decodes straight into the output: a block's 128 or 1024 bytes keep the allocator's 64-byte alignment,
+  // which the decoders' aligned stores need.
+  float* out_f = dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
+  at::BFloat16* out_b = dtype == at::kFloat ? nullptr : out.data_ptr<at::BFloat16>();
   at::parallel_for(0, rows * per_row, 64, [&](int64_t begin, int64_t end) {
     alignas(64) float w[256];
     for (int64_t b = begin; b < end; ++b) {
-      decode_block(src + b * block_bytes(qtype), w);
-      if (dtype == at::kFloat) {
-        std::memcpy(out.data_ptr<float>() + b * bs, w, bs * sizeof(float));
-      } else {
-        auto* o = out.data_ptr<at::BFloat16>() + b * bs;
-        for (int64_t j = 0; j < bs; ++j) o[j] = at::BFloat16(w[j]);
+      if (out_f) {
+        decode_block(src + b * bb, out_f + b * bs);
+        continue;
       }
+      decode_block(src + b * bb, w);
+      for (int64_t j = 0; j < bs; ++j) out_b[b * bs + j] = at::BFloat16(w[j]);
     }
   });
   return out;
