@@ -545,6 +545,26 @@ def test_native_decode_kernel_matches_dequantize_then_matmul(qtype, dtype, block
         torch.testing.assert_close(out.float(), expected, atol=tol * 10 * expected.abs().max().item(), rtol=tol)
 
 
+def test_native_kernel_mixes_types_in_one_layer():
+    """A *_K_M layer's sub-matrices in different types, in one call: Q4_K reads x in an order of its own, the
+    others as it is."""
+    _native_gguf()
+    rng = np.random.default_rng(7)
+    types, size = [Q.Q6_K, Q.Q4_K, Q.Q8_0, Q.Q4_K], 512
+    raws = [random_blocks(t, 8 + i, size, rng, scale=0.01) for i, t in enumerate(types)]
+    weight = torch.cat([dequantize(r, t).reshape(len(r), size) for r, t in zip(raws, types, strict=True)])
+    shards, offset = [], 0
+    for raw, qtype in zip(raws, types, strict=True):
+        shards += [offset, len(raw), int(qtype)]
+        offset += raw.numel()
+    flat = torch.cat([r.reshape(-1) for r in raws])
+    for m in (1, 5):
+        x = torch.from_numpy(rng.standard_normal((m, size)).astype(np.float32))
+        expected = x @ weight.T
+        torch.testing.assert_close(torch.ops.fw_quant_gguf.quant_gemv(x, flat, shards), expected,
+                                   atol=1e-4 * expected.abs().max().item(), rtol=1e-5)
+
+
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
 def test_native_dequantize_is_the_torch_decoding_bit_for_bit(qtype):
     """The prefill-sized candidate fw-dequant decodes rows natively: the same float32 values as dequant.py (which
@@ -596,6 +616,11 @@ def test_narrower_builds_decode_every_type_as_torch_does(narrower_build, qtype):
         out = narrower_build.quant_gemv(x, raw.view(-1), [0, 40, int(qtype)])
         expected = x @ weight.T
         torch.testing.assert_close(out, expected, atol=1e-4 * expected.abs().max().item(), rtol=1e-5)
+        if qtype in fw_quant_gguf.method._INT_TYPES:  # and the integer kernels (maddubs, or plain loops)
+            for op, dtype in ((narrower_build.quant_gemv_a8, torch.int8), (narrower_build.quant_gemv_a16, torch.int16)):
+                rounded = int_block_rounded(x, dtype=dtype).double() @ weight.double().T
+                torch.testing.assert_close(op(x, raw.view(-1), [0, 40, int(qtype)]).double(), rounded,
+                                           atol=1e-4 * rounded.abs().max().item(), rtol=1e-5)
 
 
 def _blocks(types_rows: list[tuple[Q, int]], size: int, seed: int) -> fw_quant_gguf.method._Blocks:

@@ -1,7 +1,7 @@
 // Products of a few activation rows with ggml-quantized weights, decoding each block as it streams by: the
 // weights are read once, in their packed size, instead of being dequantized into a full float matrix first. For
 // decode steps (few rows). Q4_0, Q4_1 and Q8_0 have kernels of their own that decode a 32-weight block in
-// registers; the other types (Q5_0, Q5_1 and the K-quants Q2_K-Q6_K, which llama.cpp's *_K_M files mix in) decode
+// registers, as does Q4_K with AVX-512 (dot_row_q4k); the other types (Q5_0, Q5_1 and the K-quants Q2_K-Q6_K, which llama.cpp's *_K_M files mix in) decode
 // a block into floats in L1 and multiply from there (dot_row_decoded).
 // quant_gemv multiplies the activations as they are; quant_gemv_a8 and quant_gemv_a16 round them to int8 (as
 // llama.cpp does on CPUs) or int16 blocks first and multiply integers: a block's dot product is a few integer
@@ -395,6 +395,21 @@ inline int q3_scale(const uint8_t* packed, int i) {
   return (low | (high << 4)) - 32;
 }
 
+#if defined(__AVX2__)
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 32 signed bytes, 8 at a time as floats, times the scale of their 16-element half (and minus its min), into w.
+template <bool kMin>
+inline void store32(__m256i q, const float* ds, const float* dm, float* w) {
+  for (int k = 0; k < 4; ++k) {
+    const __m128i part = k < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(k % 2 ? _mm_unpackhi_epi64(part, part) : part));
+    const __m256 scaled = _mm256_mul_ps(_mm256_set1_ps(ds[k / 2]), v);
+    _mm256_store_ps(w + 8 * k, kMin ? _mm256_sub_ps(scaled, _mm256_set1_ps(dm[k / 2])) : scaled);
+  }
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // The 2-bit fields of Q2_K and Q3_K: element 128 h + 32 s + l is crumb s of qs[32 h + l]. Elements 128 h + 64 p
 // on as 64 bytes: qs's 32 bytes in both halves of a vector, shifted by 4p and 4p + 2.
@@ -442,6 +457,40 @@ inline void decode<Q3_K>(const uint8_t* b, float* w) {  // hmask[32] | qs[64] | 
     const __m512i q = _mm512_sub_epi8(_mm512_add_epi8(crumbs64(b + 32, h, p), _mm512_slli_epi16(bit, 2)),
                                       _mm512_set1_epi8(4));
     store64<false>(q, ds, nullptr, w + e0);
+  }
+}
+#elif defined(__AVX2__)
+// As the AVX-512 versions, 32 elements at a time: element 128 h + 32 s + l is crumb s of qs[32 h + l].
+inline __m256i crumbs32(const uint8_t* qs, int e0) {
+  return _mm256_and_si256(_mm256_srl_epi16(load32(qs + 32 * (e0 / 128)), _mm_cvtsi32_si128(2 * ((e0 % 128) / 32))),
+                          _mm256_set1_epi8(3));
+}
+
+template <>
+inline void decode<Q2_K>(const uint8_t* b, float* w) {  // scales[16] | qs[64] | d | dmin
+  const float d = half(b + 80), dmin = half(b + 82);
+  for (int e0 = 0; e0 < 256; e0 += 32) {
+    float ds[2], dm[2];
+    for (int k = 0; k < 2; ++k) {
+      const uint8_t sc = b[e0 / 16 + k];
+      ds[k] = d * static_cast<float>(sc & 0x0f), dm[k] = dmin * static_cast<float>(sc >> 4);
+    }
+    store32<true>(crumbs32(b + 16, e0), ds, dm, w + e0);
+  }
+}
+
+template <>
+inline void decode<Q3_K>(const uint8_t* b, float* w) {  // hmask[32] | qs[64] | scales[12] | d
+  const float d = half(b + 108);
+  const __m256i hmask = load32(b);
+  for (int e0 = 0; e0 < 256; e0 += 32) {
+    float ds[2];
+    for (int k = 0; k < 2; ++k) ds[k] = d * static_cast<float>(q3_scale(b + 96, e0 / 16 + k));
+    // Element e's hmask bit is bit e / 32 of hmask[e % 32]; clear: minus 4.
+    const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(hmask, _mm_cvtsi32_si128(e0 / 32)), _mm256_set1_epi8(1));
+    const __m256i q = _mm256_sub_epi8(_mm256_add_epi8(crumbs32(b + 32, e0), _mm256_slli_epi16(bit, 2)),
+                                      _mm256_set1_epi8(4));
+    store32<false>(q, ds, nullptr, w + e0);
   }
 }
 #else
@@ -499,6 +548,23 @@ inline void decode_k4(const uint8_t* b, const uint8_t* high, const uint8_t* qs, 
       const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(part));
       _mm512_store_ps(w + 32 * j + 16 * k, _mm512_sub_ps(_mm512_mul_ps(ds, v), dm));
     }
+  }
+}
+#elif defined(__AVX2__)
+// As the AVX-512 version, 8 elements at a time to floats.
+inline void decode_k4(const uint8_t* b, const uint8_t* high, const uint8_t* qs, float* w) {
+  const float d = half(b), dmin = half(b + 2);
+  const __m256i nibble = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+  const __m256i qh = high ? load32(high) : _mm256_setzero_si256();
+  for (int j = 0; j < 8; ++j) {
+    int scale, min;
+    k4_scale(b + 4, j, scale, min);
+    const float ds[2] = {d * static_cast<float>(scale), d * static_cast<float>(scale)};
+    const float dm[2] = {dmin * static_cast<float>(min), dmin * static_cast<float>(min)};
+    const __m256i bytes = load32(qs + 32 * (j / 2));
+    __m256i q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, nibble);
+    if (high) q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(j)), one), 4));
+    store32<true>(q, ds, dm, w + 32 * j);
   }
 }
 #else
@@ -560,17 +626,12 @@ inline void decode<Q6_K>(const uint8_t* b, float* w) {  // ql[128] | qh[64] | sc
   const __m256i nibble = _mm256_set1_epi8(0x0f), crumb = _mm256_set1_epi8(3), offset = _mm256_set1_epi8(32);
   for (int e0 = 0; e0 < 256; e0 += 32) {  // ql's 32 bytes 64 h + 32 u, low nibbles for t = 0; qh's crumb 2t + u
     const int h = e0 / 128, t = (e0 % 128) / 64, u = (e0 % 64) / 32;
-    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * u));
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m256i ql = load32(b + 64 * h + 32 * u), qh = load32(b + 128 + 32 * h);
     const __m256i low = _mm256_and_si256(t ? _mm256_srli_epi16(ql, 4) : ql, nibble);
     const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(4 * t + 2 * u)), crumb);
-    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), offset);
-    for (int k = 0; k < 4; ++k) {
-      const __m256 ds = _mm256_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[192 + (e0 + 8 * k) / 16])));
-      const __m128i part = k < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
-      const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(k % 2 ? _mm_unpackhi_epi64(part, part) : part));
-      _mm256_store_ps(w + e0 + 8 * k, _mm256_mul_ps(ds, v));
-    }
+    float ds[2];
+    for (int k = 0; k < 2; ++k) ds[k] = d * static_cast<float>(static_cast<int8_t>(b[192 + e0 / 16 + k]));
+    store32<false>(_mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), offset), ds, nullptr, w + e0);
   }
 }
 #else
@@ -648,6 +709,84 @@ void dot_row_decoded(const float* x, const RowAux&, const uint8_t* row, float* y
   }
   for (int m = 0; m < M; ++m) y[m * ldy] = dot.sum(m);
 }
+
+#if defined(__AVX512F__)
+// --- Q4_K in registers ---
+// A super-block's 32 bytes of nibbles at a time (sub-blocks 2c and 2c + 1: low and high nibbles) go to both
+// halves of a vector; shifting each 32-bit lane by its own count puts a nibble in its low 4 bits, which is all a
+// permutation reads: lanes 0-7 take byte 4i + o and lanes 8-15 byte 4i + o + 1, so one shift and one
+// permutation of the sub-block's 16 possible weights (d scale n - dmin min, as decoding it rounds) give 16
+// weights, without widening bytes (the shuffle port is what a 1-row product waits on). x is read in that order,
+// permuted once per call (q4k_order).
+constexpr int kQ4KShift[4][2] = {{0, 8}, {16, 24}, {4, 12}, {20, 28}};  // vectors v of a chunk: lanes 0-7 | 8-15
+
+// The element whose weight lane l of vector v of chunk c holds (a super-block's 256 in that order).
+constexpr int q4k_element(int p) {
+  const int c = p / 64, v = p % 64 / 16, lane = p % 16, shift = kQ4KShift[v][lane / 8];
+  return 32 * (2 * c + shift % 8 / 4) + 4 * (lane % 8) + shift / 8;
+}
+
+void q4k_order(const float* x, float* xk, int64_t n) {  // n: whole super-blocks of x, in rows
+  static const auto order = [] {
+    std::array<int, 256> o{};
+    for (int p = 0; p < 256; ++p) o[p] = q4k_element(p);
+    return o;
+  }();
+  for (int64_t b = 0; b < n; b += 256)
+    for (int p = 0; p < 256; ++p) xk[b + p] = x[b + order[p]];
+}
+
+// The super-block's eight d scale (lanes 0-7) and dmin min (lanes 8-15), unpacked from their 12 bytes a word at a
+// time (k4_scale's layout).
+inline __m512 q4k_scales(const uint8_t* b) {
+  uint32_t u[3];
+  std::memcpy(u, b + 4, 12);
+  const uint32_t scale_hi = (u[2] & 0x0f0f0f0f) | ((u[0] >> 2) & 0x30303030);
+  const uint32_t min_hi = ((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 2) & 0x30303030);
+  const __m128i packed = _mm_setr_epi32(static_cast<int>(u[0] & 0x3f3f3f3f), static_cast<int>(scale_hi),
+                                        static_cast<int>(u[1] & 0x3f3f3f3f), static_cast<int>(min_hi));
+  const __m512 d = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(half(b)), _mm512_set1_ps(half(b + 2)));
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed)));
+}
+
+// One output row for M activation rows (xk: x in q4k_order). Four sets of accumulators for one or two rows, so
+// that the FMAs of a row do not wait on each other.
+template <int M>
+void dot_row_q4k(const float* xk, const RowAux&, const uint8_t* row, float* y, int64_t ldy, int64_t, int64_t K) {
+  constexpr int64_t bb = block_bytes(Q4_K);
+  constexpr int kSets = M <= 2 ? 4 : 2;
+  for (int64_t off = 0; off < K / 256 * bb; off += 64) fw::prefetch_ahead(row + off);  // a row's lines, once
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i shift[4];
+  for (int v = 0; v < 4; ++v)
+    shift[v] = _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(kQ4KShift[v][0]), _mm512_set1_epi32(kQ4KShift[v][1]));
+  __m512 acc[kSets][M];
+  for (int k = 0; k < kSets; ++k)
+    for (int m = 0; m < M; ++m) acc[k][m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* blk = row + b * bb;
+    alignas(64) float sm[16];
+    _mm512_store_ps(sm, q4k_scales(blk));
+    for (int c = 0; c < 4; ++c) {
+      const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c)));
+      const __m512 table[2] = {_mm512_fmsub_ps(_mm512_set1_ps(sm[2 * c]), iota, _mm512_set1_ps(sm[8 + 2 * c])),
+                               _mm512_fmsub_ps(_mm512_set1_ps(sm[2 * c + 1]), iota, _mm512_set1_ps(sm[9 + 2 * c]))};
+      for (int v = 0; v < 4; ++v) {
+        const __m512 w = _mm512_permutexvar_ps(_mm512_srlv_epi32(q, shift[v]), table[v / 2]);
+        for (int m = 0; m < M; ++m) {
+          __m512& a = acc[(4 * c + v) % kSets][m];
+          a = _mm512_fmadd_ps(w, _mm512_loadu_ps(xk + m * K + 256 * b + 64 * c + 16 * v), a);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    __m512 total = acc[0][m];
+    for (int k = 1; k < kSets; ++k) total = _mm512_add_ps(total, acc[k][m]);
+    y[m * ldy] = _mm512_reduce_add_ps(total);
+  }
+}
+#endif
 
 // --- integer activations ---
 // Each block of 32 activation values becomes xq = round(x / dx), half to even as torch.round, with
@@ -838,6 +977,10 @@ template <int64_t T, size_t... I>
 constexpr std::array<RowFn, kMaxRows> float_kernels(std::index_sequence<I...>) {  // for 1 .. kMaxRows rows
   if constexpr (own_kernel(T))
     return {dot_row<T, I + 1>...};
+#if defined(__AVX512F__)
+  else if constexpr (T == Q4_K)
+    return {dot_row_q4k<I + 1>...};
+#endif
   else
     return {dot_row_decoded<T, I + 1>...};
 }
@@ -880,23 +1023,28 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
   // time (kPassBytes), which stay in L1 and L2 between the passes instead of streaming from memory again.
   constexpr int64_t kPassBytes = 32 << 10;
   auto products = [&](const std::array<RowFn, kMaxRows>& fns, const uint8_t* first, int64_t bytes, int64_t c,
-                      int64_t count, const auto& aux) {
+                      int64_t count, const auto& aux, const float* xs = nullptr) {
+    xs = xs ? xs : xp;
     const int64_t pass = M <= kMaxRows ? count : std::max<int64_t>(1, kPassBytes / bytes);
     for (int64_t n0 = 0; n0 < count; n0 += pass)
       for (int64_t m = 0; m < M; m += kMaxRows)
         for (int64_t n = n0; n < std::min(count, n0 + pass); ++n)
-          fns[std::min(kMaxRows, M - m) - 1](xp + m * K, aux(m, n), first + n * bytes, yp + m * total + c + n, total,
+          fns[std::min(kMaxRows, M - m) - 1](xs + m * K, aux(m, n), first + n * bytes, yp + m * total + c + n, total,
                                              blocks, K);
   };
 #if defined(__AVX512F__)
   // The scales of up to kScaleBlocks blocks (a few rows) at a time.
   constexpr int64_t kScaleBlocks = 1024;
   const int64_t group = std::max<int64_t>(1, kScaleBlocks / blocks);
+  std::vector<float> xk;  // x in the Q4_K kernel's order
+  for (size_t i = 2; i < shards.size() && xk.empty(); i += 3)
+    if (shards[i] == Q4_K) xk.resize(M * K), q4k_order(xp, xk.data(), M * K);
   for_each_span(weight.data_ptr<uint8_t>(), shards, K, total,
                 [&](int64_t qtype, const uint8_t* rows, int64_t bytes, int64_t c, int64_t count) {
                   if (!own_kernel(qtype) || qtype == Q8_0)
                     return products(qtype == Q8_0 ? kQ8_0 : decoded_kernels(qtype), rows, bytes, c, count,
-                                    [](int64_t, int64_t) { return RowAux{nullptr, nullptr, nullptr}; });
+                                    [](int64_t, int64_t) { return RowAux{nullptr, nullptr, nullptr}; },
+                                    qtype == Q4_K ? xk.data() : xp);
                   const auto& fns = qtype == Q4_0 ? kQ4_0 : kQ4_1;
                   const auto scales = qtype == Q4_0 ? span_scales<Q4_0> : span_scales<Q4_1>;
                   const int64_t padded = (std::min(group, count) * blocks + kRun - 1) / kRun * kRun;
