@@ -74,6 +74,21 @@ def test_without_chunked_prefill_the_budget_must_hold_a_whole_prompt(models, ref
     assert tokens(llm.generate(PROMPTS, GREEDY)) == reference
 
 
+@pytest.mark.parametrize("unset", [{}, {"max_model_len": "auto"}, {"max_model_len": -1}])
+def test_an_unset_context_length_is_lowered_to_what_the_kv_cache_holds(models, caplog, unset):
+    # The tiny model's own length is 512; 5 blocks of 16 hold 80 tokens.
+    with caplog.at_level("WARNING", logger="fw"):
+        llm = LLM(models["Qwen2ForCausalLM"], num_kv_blocks=5, **unset)
+    assert llm.llm_engine.max_model_len == 80
+    assert "max_model_len 512 (the model's) lowered to 80" in caplog.text
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 80
+    assert out.outputs[0].finish_reason == "length"
+    # A length asked for is kept, or refused when the cache cannot hold it.
+    with pytest.raises(EngineError, match="the KV cache holds 80 tokens, less than one sequence of max_model_len 96"):
+        LLM(models["Qwen2ForCausalLM"], num_kv_blocks=5, max_model_len=96)
+
+
 def test_one_at_a_time_with_prefix_cache_hits(models, reference):
     llm = LLM(models["Qwen2ForCausalLM"], num_kv_blocks=160, block_size=4)
     for prompt, expected in zip(PROMPTS, reference, strict=True):

@@ -64,7 +64,10 @@ class ModelSection(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Activation and weight dtype; auto takes the checkpoint's (bfloat16 for float16 on CPU)."
     )
-    max_model_len: int | None = Field(None, gt=0, description="Context length; defaults to the model's.")
+    max_model_len: int | None = Field(
+        None, gt=0, description="Context length; defaults to the model's, lowered to what the KV cache holds (with a "
+        "warning); auto or -1: the same, as vLLM's --max-model-len auto."
+    )
     seed: int = Field(0, description="Seed for weights-independent randomness (unseeded sampling).")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device to run on.")
     generation_config: str = Field(
@@ -83,6 +86,11 @@ class ModelSection(_Section):
         "(CLS) token's; auto takes the model's sentence-transformers config (modules.json), else last with L2 "
         "normalization, as vLLM does for a decoder.",
     )
+
+    @field_validator("max_model_len", mode="before")
+    @classmethod
+    def _auto_length(cls, value: Any) -> Any:
+        return None if value in ("auto", "-1", -1) else value
 
     @field_validator("generation_config")
     @classmethod

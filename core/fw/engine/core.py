@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -65,24 +66,14 @@ class LLMEngine:
         )
         # Every id that ends a sequence (instruct models often have several: end-of-text and end-of-turn).
         self.eos_token_ids = frozenset(eos_ids) | ({self.tokenizer.eos_token_id} - {None})
-        self.max_model_len = config.model.max_model_len or hf_config.get("max_position_embeddings") or 2048
-        budget = config.scheduler.max_num_batched_tokens
-        if not config.scheduler.enable_chunked_prefill and budget is not None and budget < self.max_model_len:
-            raise EngineError(
-                f"--max-num-batched-tokens {budget} is below max_model_len {self.max_model_len}: without chunked "
-                "prefill a prompt is computed in one step, so a longer one could never run; raise it, lower "
-                "--max-model-len, or leave --enable-chunked-prefill on"
-            )
         torch.manual_seed(config.model.seed)
         self.executor = Executor(config, result, hf_config, device.device)
-        block_size = config.cache.block_size
-        min_blocks = -(-self.max_model_len // block_size)
-        if self.executor.num_blocks < min_blocks:
+        try:
+            self.max_model_len = self._max_model_len(config, hf_config)
+        except EngineError:
             self.executor.shutdown()
-            raise EngineError(
-                f"the KV cache holds {self.executor.num_blocks * block_size} tokens, less than one sequence of "
-                f"max_model_len {self.max_model_len}; raise --kv-cache-memory or lower --max-model-len"
-            )
+            raise
+        block_size = config.cache.block_size
         self.kv = KVCacheManager(self.executor.num_blocks, block_size, config.cache.enable_prefix_caching)
         self.sampler = plugins.build("sampler", result)
         self.scheduler = Scheduler(
@@ -117,6 +108,29 @@ class LLMEngine:
         )
         self._publish_stats()
         self.hook.fw_engine_started(engine=self.view)
+
+    def _max_model_len(self, config: FwConfig, hf_config: dict[str, Any]) -> int:
+        """The context length: --max-model-len, else the model's lowered to what the KV cache holds (as vLLM's
+        ``--max-model-len auto``: a model's 32k or 128k context should not stop a small cache from serving it)."""
+        held = self.executor.num_blocks * config.cache.block_size
+        length = config.model.max_model_len
+        if length is None:
+            length = hf_config.get("max_position_embeddings") or 2048
+            if 0 < held < length:
+                log.warning("max_model_len %d (the model's) lowered to %d, what the KV cache holds; raise "
+                               "--kv-cache-memory for a longer context", length, held)
+                length = held
+        if held < length:
+            raise EngineError(f"the KV cache holds {held} tokens, less than one sequence of max_model_len {length}; "
+                              "raise --kv-cache-memory or lower --max-model-len")
+        budget = config.scheduler.max_num_batched_tokens
+        if not config.scheduler.enable_chunked_prefill and budget is not None and budget < length:
+            raise EngineError(
+                f"--max-num-batched-tokens {budget} is below max_model_len {length}: without chunked "
+                "prefill a prompt is computed in one step, so a longer one could never run; raise it, lower "
+                "--max-model-len, or leave --enable-chunked-prefill on"
+            )
+        return length
 
     def _spec_decoder(self, result, hf_config: dict, vocab_size: int, device: str) -> SpecDecoder:
         """The proposer ``speculative_config`` names, built; what cannot run with it is refused by name."""
