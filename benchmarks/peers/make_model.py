@@ -1,4 +1,4 @@
-"""Write the benchmark checkpoint: Qwen2-0.5B's shape with seeded random weights, bf16 safetensors.
+"""Write the benchmark checkpoint: Qwen2-0.5B's shape (or 1.5B's) with seeded random weights, bf16 safetensors.
 
 Random weights keep the model hub out of it, and every engine computes the same function on it. The
 tokenizer is fw's small test BPE (the offline workloads feed token ids), its vocabulary padded to the
@@ -6,6 +6,7 @@ model's: a random model emits any of 151,936 ids, and an id without text would m
 send no chunk for it, leaving a serving benchmark nothing to time.
 
     python benchmarks/peers/make_model.py /tmp/qwen05b
+    python benchmarks/peers/make_model.py --shape 1.5b /tmp/qwen15b   # weights that dwarf the head and caches
 """
 
 from __future__ import annotations
@@ -33,17 +34,22 @@ def pad_vocabulary(path: Path, size: int) -> None:
     file.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
 
 
+# Qwen2-0.5B's and Qwen2-1.5B's layers (both tie the head to the embeddings).
+SHAPES = {
+    "0.5b": {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "intermediate_size": 4864},
+    "1.5b": {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "intermediate_size": 8960},
+}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("path", help="Directory to write (config.json, model.safetensors, tokenizer).")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b", help="Qwen2's size to copy.")
     args = p.parse_args()
     config = Qwen2Config(
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
+        **SHAPES[args.shape],
         num_key_value_heads=2,
-        intermediate_size=4864,
         vocab_size=151936,
         tie_word_embeddings=True,
         rope_theta=1e6,
