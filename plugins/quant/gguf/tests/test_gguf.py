@@ -546,9 +546,13 @@ def test_native_decode_kernel_matches_dequantize_then_matmul(qtype, dtype, block
 
 
 def test_native_kernel_mixes_types_in_one_layer():
+    _native_gguf()
+    _check_mixed_types(torch.ops.fw_quant_gguf)
+
+
+def _check_mixed_types(ops) -> None:
     """A *_K_M layer's sub-matrices in different types, in one call: Q4_K reads x in an order of its own, the
     others as it is. 65 super-blocks a row: Q4_K unpacks the scales of 64 at a time."""
-    _native_gguf()
     rng = np.random.default_rng(7)
     types, size = [Q.Q6_K, Q.Q4_K, Q.Q8_0, Q.Q4_K], 65 * 256
     raws = [random_blocks(t, 8 + i, size, rng, scale=0.01) for i, t in enumerate(types)]
@@ -561,7 +565,7 @@ def test_native_kernel_mixes_types_in_one_layer():
     for m in (1, 5):
         x = torch.from_numpy(rng.standard_normal((m, size)).astype(np.float32))
         expected = x @ weight.T
-        torch.testing.assert_close(torch.ops.fw_quant_gguf.quant_gemv(x, flat, shards), expected,
+        torch.testing.assert_close(ops.quant_gemv(x, flat, shards), expected,
                                    atol=1e-4 * expected.abs().max().item(), rtol=1e-5)
 
 
@@ -621,6 +625,11 @@ def test_narrower_builds_decode_every_type_as_torch_does(narrower_build, qtype):
                 rounded = int_block_rounded(x, dtype=dtype).double() @ weight.double().T
                 torch.testing.assert_close(op(x, raw.view(-1), [0, 40, int(qtype)]).double(), rounded,
                                            atol=1e-4 * rounded.abs().max().item(), rtol=1e-5)
+
+
+@pytest.mark.slow  # two builds of the kernels
+def test_narrower_builds_mix_types_in_one_layer(narrower_build):
+    _check_mixed_types(narrower_build)
 
 
 def _blocks(types_rows: list[tuple[Q, int]], size: int, seed: int) -> fw_quant_gguf.method._Blocks:

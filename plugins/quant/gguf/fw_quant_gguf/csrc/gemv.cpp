@@ -1,8 +1,9 @@
 // Products of a few activation rows with ggml-quantized weights, decoding each block as it streams by: the
 // weights are read once, in their packed size, instead of being dequantized into a full float matrix first. For
 // decode steps (few rows). Q4_0, Q4_1 and Q8_0 have kernels of their own that decode a 32-weight block in
-// registers, as does Q4_K with AVX-512 (dot_row_q4k); the other types (Q5_0, Q5_1 and the K-quants Q2_K-Q6_K, which llama.cpp's *_K_M files mix in) decode
-// a block into floats in L1 and multiply from there (dot_row_decoded).
+// registers, as does Q4_K with AVX2 or AVX-512 (dot_row_q4k); the other types (Q5_0, Q5_1 and the other K-quants,
+// which llama.cpp's *_K_M files mix in) decode a block into floats in L1 and multiply from there
+// (dot_row_decoded).
 // quant_gemv multiplies the activations as they are; quant_gemv_a8 and quant_gemv_a16 round them to int8 (as
 // llama.cpp does on CPUs) or int16 blocks first and multiply integers: a block's dot product is a few integer
 // instructions, exact (Q4_0, Q4_1, Q8_0). dequantize decodes whole rows for prefill-sized products.
@@ -710,20 +711,26 @@ void dot_row_decoded(const float* x, const RowAux&, const uint8_t* row, float* y
   for (int m = 0; m < M; ++m) y[m * ldy] = dot.sum(m);
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
 // --- Q4_K in registers ---
-// A super-block's 32 bytes of nibbles at a time (sub-blocks 2c and 2c + 1: low and high nibbles) go to both
-// halves of a vector; shifting each 32-bit lane by its own count puts a nibble in its low 4 bits, which is all a
-// permutation reads: lanes 0-7 take byte 4i + o and lanes 8-15 byte 4i + o + 1, so one shift and one
-// permutation of the sub-block's 16 possible weights (d scale n - dmin min, as decoding it rounds) give 16
-// weights, without widening bytes (the shuffle port is what a 1-row product waits on). x is read in that order,
-// permuted once per call (q4k_order).
-constexpr int kQ4KShift[4][2] = {{0, 8}, {16, 24}, {4, 12}, {20, 28}};  // vectors v of a chunk: lanes 0-7 | 8-15
+// A super-block's nibbles go to both halves of a vector, 32 bytes (AVX-512: sub-blocks 2c and 2c + 1, low and
+// high nibbles) or 16 at a time; shifting each 32-bit lane by its own count puts a nibble in its low 4 bits:
+// lanes of the low half take byte 4i + o and those of the high half byte 4i + o + 1. With AVX-512 that is all a
+// permutation of the sub-block's 16 possible weights (d scale n - dmin min, as decoding it rounds) reads, so a
+// shift and a permutation give 16 weights without widening bytes (the shuffle port is what a 1-row product waits
+// on); with AVX2 a mask and a conversion give 8 integers, whose sums the scales multiply (as the own kernels do).
+// x is read in that order, permuted once per call (q4k_order).
+constexpr int kQ4KShift[4][2] = {{0, 8}, {16, 24}, {4, 12}, {20, 28}};  // vector v's shifts: low | high half
 
-// The element whose weight lane l of vector v of chunk c holds (a super-block's 256 in that order).
+// The element whose weight position p of a super-block's 256 holds, in the kernel's order.
 constexpr int q4k_element(int p) {
+#if defined(__AVX512F__)  // chunk c = p / 64: vectors v of 16 lanes, 8 a half, over its 32 bytes
   const int c = p / 64, v = p % 64 / 16, lane = p % 16, shift = kQ4KShift[v][lane / 8];
   return 32 * (2 * c + shift % 8 / 4) + 4 * (lane % 8) + shift / 8;
+#else  // sub-block j = p / 32: bytes 16 g on (g = 0, 1), vectors v of 8 lanes, 4 a half
+  const int j = p / 32, g = p % 32 / 16, v = 2 * (j % 2) + p % 16 / 8, lane = p % 8, shift = kQ4KShift[v][lane / 4];
+  return 32 * j + 16 * g + 4 * (lane % 4) + shift / 8;
+#endif
 }
 
 void q4k_order(const float* x, float* xk, int64_t n) {  // n: whole super-blocks of x, in rows
@@ -736,17 +743,23 @@ void q4k_order(const float* x, float* xk, int64_t n) {  // n: whole super-blocks
     for (int p = 0; p < 256; ++p) xk[b + p] = x[b + order[p]];
 }
 
-// The super-block's eight d scale (lanes 0-7) and dmin min (lanes 8-15), unpacked from their 12 bytes a word at a
+// A super-block's eight 6-bit scales (bytes 0-7) and mins (bytes 8-15), unpacked from their 12 bytes a word at a
 // time (k4_scale's layout).
-inline __m512 q4k_scales(const uint8_t* b) {
+inline __m128i q4k_scale_bytes(const uint8_t* b) {
   uint32_t u[3];
   std::memcpy(u, b + 4, 12);
   const uint32_t scale_hi = (u[2] & 0x0f0f0f0f) | ((u[0] >> 2) & 0x30303030);
   const uint32_t min_hi = ((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 2) & 0x30303030);
-  const __m128i packed = _mm_setr_epi32(static_cast<int>(u[0] & 0x3f3f3f3f), static_cast<int>(scale_hi),
-                                        static_cast<int>(u[1] & 0x3f3f3f3f), static_cast<int>(min_hi));
+  return _mm_setr_epi32(static_cast<int>(u[0] & 0x3f3f3f3f), static_cast<int>(scale_hi),
+                        static_cast<int>(u[1] & 0x3f3f3f3f), static_cast<int>(min_hi));
+}
+#endif
+
+#if defined(__AVX512F__)
+// The super-block's eight d scale (lanes 0-7) and dmin min (lanes 8-15).
+inline __m512 q4k_scales(const uint8_t* b) {
   const __m512 d = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(half(b)), _mm512_set1_ps(half(b + 2)));
-  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed)));
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q4k_scale_bytes(b))));
 }
 
 // One output row for M activation rows (xk: x in q4k_order). Four sets of accumulators for one or two rows, so
@@ -792,6 +805,51 @@ void dot_row_q4k(const float* xk, const RowAux&, const uint8_t* row, float* y, i
     for (int k = 1; k < kSets; ++k) total = _mm512_add_ps(total, acc[k][m]);
     y[m * ldy] = _mm512_reduce_add_ps(total);
   }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// One output row for M activation rows (xk: x in q4k_order), with the accumulators of sum_blocks over the
+// 32-weight sub-blocks: sum_j d scale_j (q_j . x_j) - dmin min_j sum(x_j).
+template <int M>
+void dot_row_q4k(const float* xk, const RowAux& aux, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
+                 int64_t K) {
+  constexpr int64_t bb = block_bytes(Q4_K);
+  for (int64_t off = 0; off < K / 256 * bb; off += 64) fw::prefetch_ahead(row + off);  // a row's lines, once
+  thread_local std::vector<float> scales;  // each super-block's d scale_j and dmin min_j, j = 0..7
+  scales.resize(K / 256 * 16);
+  for (int64_t sup = 0; sup < K / 256; ++sup) {  // ahead of the products that read them
+    const __m128i bytes = q4k_scale_bytes(row + sup * bb);
+    _mm256_storeu_ps(scales.data() + 16 * sup, _mm256_mul_ps(_mm256_set1_ps(half(row + sup * bb)),
+                                                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))));
+    _mm256_storeu_ps(scales.data() + 16 * sup + 8,
+                     _mm256_mul_ps(_mm256_set1_ps(half(row + sup * bb + 2)),
+                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes)))));
+  }
+  __m256i shift[4];
+  for (int v = 0; v < 4; ++v)
+    shift[v] = _mm256_setr_epi32(kQ4KShift[v][0], kQ4KShift[v][0], kQ4KShift[v][0], kQ4KShift[v][0],
+                                 kQ4KShift[v][1], kQ4KShift[v][1], kQ4KShift[v][1], kQ4KShift[v][1]);
+  const __m256i nibble = _mm256_set1_epi32(0x0f);
+  sum_blocks<M>(blocks, y, ldy, [&](int64_t b, __m256* a, float* o) {
+    const int j = static_cast<int>(b % 8);
+    const uint8_t* qs = row + b / 8 * bb + 16 + 32 * (j / 2);
+    const float* sm = scales.data() + 16 * (b / 8);
+    __m256 v[4];
+    for (int g = 0; g < 2; ++g) {
+      const __m256i q = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * g)));
+      for (int h = 0; h < 2; ++h)
+        v[2 * g + h] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(q, shift[2 * (j % 2) + h]), nibble));
+    }
+    const __m256 dv = _mm256_set1_ps(sm[j]);
+    for (int m = 0; m < M; ++m) {
+      const float* xb = xk + m * K + b * kBlock;
+      __m256 dot = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
+      dot = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), dot);
+      dot = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), dot);
+      dot = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), dot);
+      a[m] = _mm256_fmadd_ps(dot, dv, a[m]);
+      o[m] -= sm[8 + j] * aux.xsum[m * blocks + b];
+    }
+  });
 }
 #endif
 
@@ -984,7 +1042,7 @@ template <int64_t T, size_t... I>
 constexpr std::array<RowFn, kMaxRows> float_kernels(std::index_sequence<I...>) {  // for 1 .. kMaxRows rows
   if constexpr (own_kernel(T))
     return {dot_row<T, I + 1>...};
-#if defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
   else if constexpr (T == Q4_K)
     return {dot_row_q4k<I + 1>...};
 #endif
@@ -1029,6 +1087,11 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
   // More than kMaxRows rows of x pass over the same weight rows once per group of x rows: a few weight rows at a
   // time (kPassBytes), which stay in L1 and L2 between the passes instead of streaming from memory again.
   constexpr int64_t kPassBytes = 32 << 10;
+#if defined(__AVX2__) && defined(__FMA__)
+  std::vector<float> xk;  // x in the Q4_K kernel's order
+  for (size_t i = 2; i < shards.size() && xk.empty(); i += 3)
+    if (shards[i] == Q4_K) xk.resize(M * K), q4k_order(xp, xk.data(), M * K);
+#endif
   auto products = [&](const std::array<RowFn, kMaxRows>& fns, const uint8_t* first, int64_t bytes, int64_t c,
                       int64_t count, const auto& aux, const float* xs = nullptr) {
     xs = xs ? xs : xp;
@@ -1043,9 +1106,6 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
   // The scales of up to kScaleBlocks blocks (a few rows) at a time.
   constexpr int64_t kScaleBlocks = 1024;
   const int64_t group = std::max<int64_t>(1, kScaleBlocks / blocks);
-  std::vector<float> xk;  // x in the Q4_K kernel's order
-  for (size_t i = 2; i < shards.size() && xk.empty(); i += 3)
-    if (shards[i] == Q4_K) xk.resize(M * K), q4k_order(xp, xk.data(), M * K);
   for_each_span(weight.data_ptr<uint8_t>(), shards, K, total,
                 [&](int64_t qtype, const uint8_t* rows, int64_t bytes, int64_t c, int64_t count) {
                   if (!own_kernel(qtype) || qtype == Q8_0)
@@ -1080,7 +1140,12 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
                            : qtype == Q8_0 ? kQ8_0
                                            : decoded_kernels(qtype),
                            rows, bytes, c, count,
-                           [&](int64_t m, int64_t) { return RowAux{xsum.data() + m * blocks, nullptr, nullptr}; });
+                           [&](int64_t m, int64_t) { return RowAux{xsum.data() + m * blocks, nullptr, nullptr}; },
+#if defined(__AVX2__) && defined(__FMA__)
+                           qtype == Q4_K ? xk.data() : xp);
+#else
+                           xp);
+#endif
                 });
 #endif
   return y.to(x.scalar_type());
