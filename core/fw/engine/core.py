@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from types import MappingProxyType
-from typing import Any
 
 import torch
 
@@ -109,7 +108,7 @@ class LLMEngine:
         self._publish_stats()
         self.hook.fw_engine_started(engine=self.view)
 
-    def _max_model_len(self, config: FwConfig, hf_config: dict[str, Any]) -> int:
+    def _max_model_len(self, config: FwConfig, hf_config: dict) -> int:
         """The context length: --max-model-len, else the model's lowered to what the KV cache holds (as vLLM's
         ``--max-model-len auto``: a model's 32k or 128k context should not stop a small cache from serving it)."""
         held = self.executor.num_blocks * config.cache.block_size
@@ -118,7 +117,7 @@ class LLMEngine:
             length = hf_config.get("max_position_embeddings") or 2048
             if 0 < held < length:
                 log.warning("max_model_len %d (the model's) lowered to %d, what the KV cache holds; raise "
-                               "--kv-cache-memory for a longer context", length, held)
+                            "--kv-cache-memory for a longer context", length, held)
                 length = held
         if held < length:
             raise EngineError(f"the KV cache holds {held} tokens, less than one sequence of max_model_len {length}; "
