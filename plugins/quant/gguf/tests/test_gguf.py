@@ -551,10 +551,10 @@ def test_native_kernel_mixes_types_in_one_layer():
 
 
 def _check_mixed_types(ops) -> None:
-    """A *_K_M layer's sub-matrices in different types, in one call: Q4_K reads x in an order of its own, the
-    others as it is. 65 super-blocks a row: Q4_K unpacks the scales of 64 at a time."""
+    """A *_K_M layer's sub-matrices in different types, in one call: Q4_K and Q5_K (with AVX-512) read x in an
+    order of their own, the others as it is. 65 super-blocks a row: they unpack the scales of 64 at a time."""
     rng = np.random.default_rng(7)
-    types, size = [Q.Q6_K, Q.Q4_K, Q.Q8_0, Q.Q4_K], 65 * 256
+    types, size = [Q.Q6_K, Q.Q4_K, Q.Q8_0, Q.Q5_K, Q.Q4_K], 65 * 256
     raws = [random_blocks(t, 8 + i, size, rng, scale=0.01) for i, t in enumerate(types)]
     weight = torch.cat([dequantize(r, t).reshape(len(r), size) for r, t in zip(raws, types, strict=True)])
     shards, offset = [], 0

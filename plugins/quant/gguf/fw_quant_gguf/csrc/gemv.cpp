@@ -1,8 +1,8 @@
 // Products of a few activation rows with ggml-quantized weights, decoding each block as it streams by: the
 // weights are read once, in their packed size, instead of being dequantized into a full float matrix first. For
 // decode steps (few rows). Q4_0, Q4_1 and Q8_0 have kernels of their own that decode a 32-weight block in
-// registers, as does Q4_K with AVX2 or AVX-512 (dot_row_q4k); the other types (Q5_0, Q5_1 and the other K-quants,
-// which llama.cpp's *_K_M files mix in) decode a block into floats in L1 and multiply from there
+// registers, as do Q4_K (AVX2 or AVX-512) and Q5_K (AVX-512) (dot_row_k4); the other types (Q5_0, Q5_1 and the
+// other K-quants, which llama.cpp's *_K_M files mix in) decode a block into floats in L1 and multiply from there
 // (dot_row_decoded).
 // quant_gemv multiplies the activations as they are; quant_gemv_a8 and quant_gemv_a16 round them to int8 (as
 // llama.cpp does on CPUs) or int16 blocks first and multiply integers: a block's dot product is a few integer
@@ -711,8 +711,23 @@ void dot_row_decoded(const float* x, const RowAux&, const uint8_t* row, float* y
   for (int m = 0; m < M; ++m) y[m * ldy] = dot.sum(m);
 }
 
+// --- Q4_K and Q5_K in registers ---
+// The types read so (dot_row_k4, on x in q4k_order).
+constexpr bool k4_registers(int64_t qtype) {
+#if defined(__AVX512F__)
+  return qtype == Q4_K || qtype == Q5_K;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return qtype == Q4_K;
+#else
+  return false;
+#endif
+}
+
+template <int64_t T, int M>
+void dot_row_k4(const float* xk, const RowAux& aux, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
+                int64_t K);
+
 #if defined(__AVX2__) && defined(__FMA__)
-// --- Q4_K in registers ---
 // A super-block's nibbles go to both halves of a vector, 32 bytes (AVX-512: sub-blocks 2c and 2c + 1, low and
 // high nibbles) or 16 at a time; shifting each 32-bit lane by its own count puts a nibble in its low 4 bits:
 // lanes of the low half take byte 4i + o and those of the high half byte 4i + o + 1. With AVX-512 that is all a
@@ -762,17 +777,23 @@ inline __m512 q4k_scales(const uint8_t* b) {
   return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q4k_scale_bytes(b))));
 }
 
-// One output row for M activation rows (xk: x in q4k_order). Four sets of accumulators for one or two rows, so
-// that the FMAs of a row do not wait on each other.
-template <int M>
-void dot_row_q4k(const float* xk, const RowAux&, const uint8_t* row, float* y, int64_t ldy, int64_t, int64_t K) {
-  constexpr int64_t bb = block_bytes(Q4_K);
+// One output row for M activation rows (xk: x in q4k_order), of Q4_K or Q5_K (the same nibbles and scales, and a
+// fifth bit per weight in qh: bit j of byte l is sub-block j's element l's; rotating qh's lanes puts a lane's bit
+// at bit 4 of its index, and a 32-entry permutation of two tables reads it). Four sets of accumulators for one or
+// two rows, so that the FMAs of a row do not wait on each other.
+template <int64_t T, int M>
+void dot_row_k4(const float* xk, const RowAux&, const uint8_t* row, float* y, int64_t ldy, int64_t, int64_t K) {
+  constexpr int64_t bb = block_bytes(T), qs_at = T == Q5_K ? 48 : 16;
   constexpr int kSets = M <= 2 ? 4 : 2;
   for (int64_t off = 0; off < K / 256 * bb; off += 64) fw::prefetch_ahead(row + off);  // a row's lines, once
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512i shift[4];
-  for (int v = 0; v < 4; ++v)
+  const __m512 iota16 = _mm512_add_ps(iota, _mm512_set1_ps(16.f));
+  __m512i shift[4], rotate[4];  // rotate: lane's qh bit of sub-block 2c + v / 2 to bit 4, less 2c
+  for (int v = 0; v < 4; ++v) {
     shift[v] = _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(kQ4KShift[v][0]), _mm512_set1_epi32(kQ4KShift[v][1]));
+    rotate[v] = _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(kQ4KShift[v][0] / 8 * 8 + v / 2 - 4),
+                                        _mm512_set1_epi32(kQ4KShift[v][1] / 8 * 8 + v / 2 - 4));
+  }
   __m512 acc[kSets][M];
   for (int k = 0; k < kSets; ++k)
     for (int m = 0; m < M; ++m) acc[k][m] = _mm512_setzero_ps();
@@ -786,12 +807,25 @@ void dot_row_q4k(const float* xk, const RowAux&, const uint8_t* row, float* y, i
     for (int64_t b = b0; b < b0 + run; ++b) {
       const uint8_t* blk = row + b * bb;
       const float* sm = scales + 16 * (b - b0);
+      const __m512i qh = T == Q5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)))
+                                   : _mm512_setzero_si512();
       for (int c = 0; c < 4; ++c) {
-        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c)));
-        const __m512 table[2] = {_mm512_fmsub_ps(_mm512_set1_ps(sm[2 * c]), iota, _mm512_set1_ps(sm[8 + 2 * c])),
-                                 _mm512_fmsub_ps(_mm512_set1_ps(sm[2 * c + 1]), iota, _mm512_set1_ps(sm[9 + 2 * c]))};
+        const __m512i q = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + qs_at + 32 * c)));
+        __m512 table[2][2];  // sub-block 2c + t's weights for n = 0-15 (and Q5_K's 16-31)
+        for (int t = 0; t < 2; ++t) {
+          const __m512 ds = _mm512_set1_ps(sm[2 * c + t]), dm = _mm512_set1_ps(sm[8 + 2 * c + t]);
+          table[t][0] = _mm512_fmsub_ps(ds, iota, dm);
+          if constexpr (T == Q5_K) table[t][1] = _mm512_fmsub_ps(ds, iota16, dm);
+        }
         for (int v = 0; v < 4; ++v) {
-          const __m512 w = _mm512_permutexvar_ps(_mm512_srlv_epi32(q, shift[v]), table[v / 2]);
+          __m512 w;
+          if constexpr (T == Q5_K) {  // bit 4 of the index from qh, bits 0-3 from the nibble
+            const __m512i high = _mm512_rorv_epi32(qh, _mm512_add_epi32(rotate[v], _mm512_set1_epi32(2 * c)));
+            const __m512i index = _mm512_ternarylogic_epi32(_mm512_srlv_epi32(q, shift[v]), high, _mm512_set1_epi32(16), 0xd8);
+            w = _mm512_permutex2var_ps(table[v / 2][0], index, table[v / 2][1]);
+          } else {
+            w = _mm512_permutexvar_ps(_mm512_srlv_epi32(q, shift[v]), table[v / 2][0]);
+          }
           for (int m = 0; m < M; ++m) {
             __m512& a = acc[(4 * c + v) % kSets][m];
             a = _mm512_fmadd_ps(w, _mm512_loadu_ps(xk + m * K + 256 * b + 64 * c + 16 * v), a);
@@ -809,9 +843,10 @@ void dot_row_q4k(const float* xk, const RowAux&, const uint8_t* row, float* y, i
 #elif defined(__AVX2__) && defined(__FMA__)
 // One output row for M activation rows (xk: x in q4k_order), with the accumulators of sum_blocks over the
 // 32-weight sub-blocks: sum_j d scale_j (q_j . x_j) - dmin min_j sum(x_j).
-template <int M>
-void dot_row_q4k(const float* xk, const RowAux& aux, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
-                 int64_t K) {
+template <int64_t T, int M>
+void dot_row_k4(const float* xk, const RowAux& aux, const uint8_t* row, float* y, int64_t ldy, int64_t blocks,
+                int64_t K) {
+  static_assert(T == Q4_K, "AVX2 reads Q4_K in registers only");
   constexpr int64_t bb = block_bytes(Q4_K);
   for (int64_t off = 0; off < K / 256 * bb; off += 64) fw::prefetch_ahead(row + off);  // a row's lines, once
   thread_local std::vector<float> scales;  // each super-block's d scale_j and dmin min_j, j = 0..7
@@ -1042,10 +1077,8 @@ template <int64_t T, size_t... I>
 constexpr std::array<RowFn, kMaxRows> float_kernels(std::index_sequence<I...>) {  // for 1 .. kMaxRows rows
   if constexpr (own_kernel(T))
     return {dot_row<T, I + 1>...};
-#if defined(__AVX2__) && defined(__FMA__)
-  else if constexpr (T == Q4_K)
-    return {dot_row_q4k<I + 1>...};
-#endif
+  else if constexpr (k4_registers(T))
+    return {dot_row_k4<T, I + 1>...};
   else
     return {dot_row_decoded<T, I + 1>...};
 }
@@ -1090,7 +1123,7 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
 #if defined(__AVX2__) && defined(__FMA__)
   std::vector<float> xk;  // x in the Q4_K kernel's order
   for (size_t i = 2; i < shards.size() && xk.empty(); i += 3)
-    if (shards[i] == Q4_K) xk.resize(M * K), q4k_order(xp, xk.data(), M * K);
+    if (k4_registers(shards[i])) xk.resize(M * K), q4k_order(xp, xk.data(), M * K);
 #endif
   auto products = [&](const std::array<RowFn, kMaxRows>& fns, const uint8_t* first, int64_t bytes, int64_t c,
                       int64_t count, const auto& aux, const float* xs = nullptr) {
@@ -1111,7 +1144,7 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
                   if (!own_kernel(qtype) || qtype == Q8_0)
                     return products(qtype == Q8_0 ? kQ8_0 : decoded_kernels(qtype), rows, bytes, c, count,
                                     [](int64_t, int64_t) { return RowAux{nullptr, nullptr, nullptr}; },
-                                    qtype == Q4_K ? xk.data() : xp);
+                                    k4_registers(qtype) ? xk.data() : xp);
                   const auto& fns = qtype == Q4_0 ? kQ4_0 : kQ4_1;
                   const auto scales = qtype == Q4_0 ? span_scales<Q4_0> : span_scales<Q4_1>;
                   const int64_t padded = (std::min(group, count) * blocks + kRun - 1) / kRun * kRun;
@@ -1142,7 +1175,7 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
                            rows, bytes, c, count,
                            [&](int64_t m, int64_t) { return RowAux{xsum.data() + m * blocks, nullptr, nullptr}; },
 #if defined(__AVX2__) && defined(__FMA__)
-                           qtype == Q4_K ? xk.data() : xp);
+                           k4_registers(qtype) ? xk.data() : xp);
 #else
                            xp);
 #endif
