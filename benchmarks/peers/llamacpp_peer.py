@@ -4,6 +4,7 @@
     python benchmarks/peers/llamacpp_peer.py --model DIR --outtype q8_0   # ... or to Q8_0 (fw's 8-bit paths)
     python benchmarks/peers/llamacpp_peer.py --model DIR --outtype q4_0   # ... or to Q4_0 (4-bit GPTQ/AWQ)
     python benchmarks/peers/llamacpp_peer.py --model DIR --outtype q4_k_m # ... or to Q4_K_M (then run_all.py --gguf it)
+    python benchmarks/peers/llamacpp_peer.py --model DIR --outtype q5_k_m # ... or to Q5_K_M
     python benchmarks/peers/llamacpp_peer.py --gguf FILE     # runs an existing GGUF (e.g. a Q4_1 one)
 
 The high-level `Llama` class decodes one sequence at a time, so the 32-request part drives llama_batch
@@ -70,13 +71,18 @@ def quantize(ll, source: Path, ftype: int, name: str) -> Path:
     return out
 
 
+# The types llama.cpp's quantizer writes from the bf16 file, and its file types for them.
+QUANTIZED = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M"}
+
+
 def main() -> None:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--gguf", help="An existing GGUF file to run instead of converting --model.")
-    p.add_argument("--outtype", default="bf16", choices=("bf16", "q8_0", "q4_0", "q4_k_m"),
+    p.add_argument("--outtype", default="bf16", choices=("bf16", "q8_0", *QUANTIZED),
                    help="What --model converts to: bf16 (the peer comparison), q8_0 (against fw's 8-bit paths), "
-                   "q4_0 (against 4-bit GPTQ/AWQ: the bf16 file quantized by llama.cpp's own quantizer) or q4_k_m "
-                   "(llama.cpp's most used mix of Q4_K and Q6_K; Q5_0 and Q8_0 instead where rows are not whole K-quant blocks).")
+                   "q4_0 (against 4-bit GPTQ/AWQ: the bf16 file quantized by llama.cpp's own quantizer), q4_k_m "
+                   "(llama.cpp's most used mix of Q4_K and Q6_K; Q5_0 and Q8_0 instead where rows are not whole K-quant "
+                   "blocks) or q5_k_m (Q5_K and Q6_K).")
     args = p.parse_args()
     if not (args.model or args.gguf):
         p.error("give --model DIR or --gguf FILE")
@@ -85,8 +91,8 @@ def main() -> None:
 
     if args.gguf:
         gguf = Path(args.gguf)
-    elif args.outtype in ("q4_0", "q4_k_m"):
-        ftype = ll.LLAMA_FTYPE_MOSTLY_Q4_0 if args.outtype == "q4_0" else ll.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    elif args.outtype in QUANTIZED:
+        ftype = getattr(ll, QUANTIZED[args.outtype])
         gguf = quantize(ll, convert(Path(args.model)), ftype, args.outtype)
     else:
         gguf = convert(Path(args.model), args.outtype)
