@@ -102,6 +102,14 @@ struct RowAux {
 // A row's products for M activation rows: block(b, acc, off) adds block b into one set of accumulators (vector
 // and scalar offset terms); sets alternate between even and odd blocks up to 4 rows, where 16 registers hold two
 // sets and a block, so that consecutive blocks do not wait on each other. Stores each row's total.
+// A block's 32 weights (four vectors, in x's order) times x, in eight lanes.
+inline __m256 dot32(const __m256* v, const float* x) {
+  __m256 dot = _mm256_mul_ps(v[0], _mm256_loadu_ps(x));
+  dot = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(x + 8), dot);
+  dot = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(x + 16), dot);
+  return _mm256_fmadd_ps(v[3], _mm256_loadu_ps(x + 24), dot);
+}
+
 template <int M, typename Block>
 inline void sum_blocks(int64_t blocks, float* y, int64_t ldy, const Block& block) {
   constexpr int S = M <= 4 ? 2 : 1;
@@ -235,11 +243,7 @@ void dot_row(const float* x, const RowAux& aux, const uint8_t* row, float* y, in
     const __m256 dv = _mm256_set1_ps(d);
     for (int m = 0; m < M; ++m) {
       const float* xb = x + m * K + b * kBlock;
-      __m256 dot = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
-      dot = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), dot);
-      dot = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), dot);
-      dot = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), dot);
-      a[m] = _mm256_fmadd_ps(dot, dv, a[m]);
+      a[m] = _mm256_fmadd_ps(dot32(v, xb), dv, a[m]);
       if constexpr (T != Q8_0) o[m] += offset * aux.xsum[m * blocks + b];
     }
   });
@@ -390,6 +394,15 @@ inline void decode<Q5_1>(const uint8_t* b, float* w) {
 }
 #endif
 
+// Q2_K's scales (low nibbles) times d and mins (high nibbles) times dmin, of n 16-element groups from element e0.
+inline void q2_scales(const uint8_t* b, int e0, int n, float* ds, float* dm) {
+  const float d = half(b + 80), dmin = half(b + 82);
+  for (int k = 0; k < n; ++k) {
+    const uint8_t sc = b[e0 / 16 + k];
+    ds[k] = d * static_cast<float>(sc & 0x0f), dm[k] = dmin * static_cast<float>(sc >> 4);
+  }
+}
+
 // Q3_K's sixteen 6-bit scales (minus 32): low nibbles from bytes 0-7, top crumbs from bytes 8-11.
 inline int q3_scale(const uint8_t* packed, int i) {
   const int low = i < 8 ? packed[i] & 0x0f : packed[i - 8] >> 4, high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
@@ -432,13 +445,9 @@ inline void store64(__m512i q, const float* ds, const float* dm, float* w) {
 
 template <>
 inline void decode<Q2_K>(const uint8_t* b, float* w) {  // scales[16] | qs[64] | d | dmin
-  const float d = half(b + 80), dmin = half(b + 82);
   for (int e0 = 0; e0 < 256; e0 += 64) {
     float ds[4], dm[4];
-    for (int k = 0; k < 4; ++k) {
-      const uint8_t sc = b[e0 / 16 + k];
-      ds[k] = d * static_cast<float>(sc & 0x0f), dm[k] = dmin * static_cast<float>(sc >> 4);
-    }
+    q2_scales(b, e0, 4, ds, dm);
     store64<true>(crumbs64(b + 16, e0 / 128, (e0 % 128) / 64), ds, dm, w + e0);
   }
 }
@@ -469,13 +478,9 @@ inline __m256i crumbs32(const uint8_t* qs, int e0) {
 
 template <>
 inline void decode<Q2_K>(const uint8_t* b, float* w) {  // scales[16] | qs[64] | d | dmin
-  const float d = half(b + 80), dmin = half(b + 82);
   for (int e0 = 0; e0 < 256; e0 += 32) {
     float ds[2], dm[2];
-    for (int k = 0; k < 2; ++k) {
-      const uint8_t sc = b[e0 / 16 + k];
-      ds[k] = d * static_cast<float>(sc & 0x0f), dm[k] = dmin * static_cast<float>(sc >> 4);
-    }
+    q2_scales(b, e0, 2, ds, dm);
     store32<true>(crumbs32(b + 16, e0), ds, dm, w + e0);
   }
 }
@@ -497,9 +502,9 @@ inline void decode<Q3_K>(const uint8_t* b, float* w) {  // hmask[32] | qs[64] | 
 #else
 template <>
 inline void decode<Q2_K>(const uint8_t* b, float* w) {  // scales[16] | qs[64] | d | dmin
-  const float d = half(b + 80), dmin = half(b + 82);
   for (int e0 = 0; e0 < 256; e0 += 16) {  // a 16-element sub-block: one scale and min
-    const float ds = d * static_cast<float>(b[e0 / 16] & 0x0f), dm = dmin * static_cast<float>(b[e0 / 16] >> 4);
+    float ds, dm;
+    q2_scales(b, e0, 1, &ds, &dm);
     const uint8_t* qs = b + 16 + 32 * (e0 / 128) + e0 % 32;
     const int shift = 2 * ((e0 % 128) / 32);
     for (int l = 0; l < 16; ++l) w[e0 + l] = ds * static_cast<float>((qs[l] >> shift) & 3) - dm;
@@ -877,11 +882,7 @@ void dot_row_k4(const float* xk, const RowAux& aux, const uint8_t* row, float* y
     const __m256 dv = _mm256_set1_ps(sm[j]);
     for (int m = 0; m < M; ++m) {
       const float* xb = xk + m * K + b * kBlock;
-      __m256 dot = _mm256_mul_ps(v[0], _mm256_loadu_ps(xb));
-      dot = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), dot);
-      dot = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), dot);
-      dot = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), dot);
-      a[m] = _mm256_fmadd_ps(dot, dv, a[m]);
+      a[m] = _mm256_fmadd_ps(dot32(v, xb), dv, a[m]);
       o[m] -= sm[8 + j] * aux.xsum[m * blocks + b];
     }
   });
