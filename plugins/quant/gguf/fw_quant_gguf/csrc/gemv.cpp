@@ -1117,18 +1117,18 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
   static constexpr auto kQ4_1 = float_kernels<Q4_1>(std::make_index_sequence<kMaxRows>());
   static constexpr auto kQ8_0 = float_kernels<Q8_0>(std::make_index_sequence<kMaxRows>());
   float* yp = y.data_ptr<float>();
-  // rows(fns, first row, count, aux of the first row): the products of `count` rows from `first`.
+  // products(type, fns, first row, count, aux of the first row): the products of `count` rows from `first`.
   // More than kMaxRows rows of x pass over the same weight rows once per group of x rows: a few weight rows at a
   // time (kPassBytes), which stay in L1 and L2 between the passes instead of streaming from memory again.
   constexpr int64_t kPassBytes = 32 << 10;
+  std::vector<float> xk;  // x in the order of the types read in registers by dot_row_k4 (q4k_order)
 #if defined(__AVX2__) && defined(__FMA__)
-  std::vector<float> xk;  // x in the Q4_K kernel's order
   for (size_t i = 2; i < shards.size() && xk.empty(); i += 3)
     if (k4_registers(shards[i])) xk.resize(M * K), q4k_order(xp, xk.data(), M * K);
 #endif
-  auto products = [&](const std::array<RowFn, kMaxRows>& fns, const uint8_t* first, int64_t bytes, int64_t c,
-                      int64_t count, const auto& aux, const float* xs = nullptr) {
-    xs = xs ? xs : xp;
+  auto products = [&](int64_t qtype, const std::array<RowFn, kMaxRows>& fns, const uint8_t* first, int64_t bytes,
+                      int64_t c, int64_t count, const auto& aux) {
+    const float* xs = k4_registers(qtype) ? xk.data() : xp;
     const int64_t pass = M <= kMaxRows ? count : std::max<int64_t>(1, kPassBytes / bytes);
     for (int64_t n0 = 0; n0 < count; n0 += pass)
       for (int64_t m = 0; m < M; m += kMaxRows)
@@ -1143,9 +1143,8 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
   for_each_span(weight.data_ptr<uint8_t>(), shards, K, total,
                 [&](int64_t qtype, const uint8_t* rows, int64_t bytes, int64_t c, int64_t count) {
                   if (!own_kernel(qtype) || qtype == Q8_0)
-                    return products(qtype == Q8_0 ? kQ8_0 : decoded_kernels(qtype), rows, bytes, c, count,
-                                    [](int64_t, int64_t) { return RowAux{nullptr, nullptr, nullptr}; },
-                                    k4_registers(qtype) ? xk.data() : xp);
+                    return products(qtype, qtype == Q8_0 ? kQ8_0 : decoded_kernels(qtype), rows, bytes, c, count,
+                                    [](int64_t, int64_t) { return RowAux{nullptr, nullptr, nullptr}; });
                   const auto& fns = qtype == Q4_0 ? kQ4_0 : kQ4_1;
                   const auto scales = qtype == Q4_0 ? span_scales<Q4_0> : span_scales<Q4_1>;
                   const int64_t padded = (std::min(group, count) * blocks + kRun - 1) / kRun * kRun;
@@ -1153,7 +1152,7 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
                   for (int64_t n0 = 0; n0 < count; n0 += group) {
                     const int64_t g = std::min(group, count - n0);
                     scales(rows + n0 * bytes, g * blocks, d.data(), o.data());
-                    products(fns, rows + n0 * bytes, bytes, c + n0, g, [&](int64_t, int64_t n) {
+                    products(qtype, fns, rows + n0 * bytes, bytes, c + n0, g, [&](int64_t, int64_t n) {
                       return RowAux{nullptr, d.data() + n * blocks, o.data() + n * blocks};
                     });
                   }
@@ -1169,17 +1168,13 @@ at::Tensor quant_gemv(const at::Tensor& x, const at::Tensor& weight, at::IntArra
   }
   for_each_span(weight.data_ptr<uint8_t>(), shards, K, total,
                 [&](int64_t qtype, const uint8_t* rows, int64_t bytes, int64_t c, int64_t count) {
-                  products(qtype == Q4_0   ? kQ4_0
+                  products(qtype,
+                           qtype == Q4_0   ? kQ4_0
                            : qtype == Q4_1 ? kQ4_1
                            : qtype == Q8_0 ? kQ8_0
                                            : decoded_kernels(qtype),
                            rows, bytes, c, count,
-                           [&](int64_t m, int64_t) { return RowAux{xsum.data() + m * blocks, nullptr, nullptr}; },
-#if defined(__AVX2__) && defined(__FMA__)
-                           k4_registers(qtype) ? xk.data() : xp);
-#else
-                           xp);
-#endif
+                           [&](int64_t m, int64_t) { return RowAux{xsum.data() + m * blocks, nullptr, nullptr}; });
                 });
 #endif
   return y.to(x.scalar_type());
