@@ -600,11 +600,10 @@ inline void decode<Q5_K>(const uint8_t* b, float* w) {  // d | dmin | scales[12]
   decode_k4(b, b + 16, b + 48, w);
 }
 
+// Q6_K's integers minus 32 as signed bytes, in element order: (low nibble | high crumb << 4) - 32. Element
+// 128 h + 32 k + l takes ql[64 h + 32 (k % 2) + l]'s low (k < 2) or high nibble and crumb k of qh[32 h + l].
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// 64 elements at a time as bytes: q - 32 = (low nibble | high crumb << 4) - 32, then 16 at a time to floats.
-template <>
-inline void decode<Q6_K>(const uint8_t* b, float* w) {  // ql[128] | qh[64] | scales[16] (int8) | d
-  const float d = half(b + 208);
+inline void q6k_ints(const uint8_t* b, int8_t* q) {  // ql[128] | qh[64] | scales[16] (int8) | d
   const __m512i nibble = _mm512_set1_epi8(0x0f), crumb = _mm512_set1_epi8(3), offset = _mm512_set1_epi8(32);
   for (int h = 0; h < 2; ++h) {  // elements 128 h on: ql's 64 bytes, qh's 32 (in both halves of a vector)
     const __m512i ql = _mm512_loadu_si512(b + 64 * h);
@@ -614,47 +613,82 @@ inline void decode<Q6_K>(const uint8_t* b, float* w) {  // ql[128] | qh[64] | sc
       // 16-bit lanes 0-15 (qh's first copy) shift by 4t, lanes 16-31 by 4t + 2: a byte's crumb sits in its low bits.
       const __m512i shift = _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16(4 * t), _mm512_set1_epi16(4 * t + 2));
       const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(qh, shift), crumb);
-      const __m512i q = _mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), offset);
-      for (int k = 0; k < 4; ++k) {
-        const int e0 = 128 * h + 64 * t + 16 * k;
-        const __m512 ds = _mm512_set1_ps(d * static_cast<float>(static_cast<int8_t>(b[192 + e0 / 16])));
-        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, k)));
-        _mm512_store_ps(w + e0, _mm512_mul_ps(ds, v));
-      }
+      _mm512_store_si512(q + 128 * h + 64 * t, _mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), offset));
     }
   }
 }
 #elif defined(__AVX2__)
-// As the AVX-512 version, 32 elements at a time as bytes.
-template <>
-inline void decode<Q6_K>(const uint8_t* b, float* w) {  // ql[128] | qh[64] | scales[16] (int8) | d
-  const float d = half(b + 208);
+// As the AVX-512 version, 32 elements at a time.
+inline void q6k_ints(const uint8_t* b, int8_t* q) {
   const __m256i nibble = _mm256_set1_epi8(0x0f), crumb = _mm256_set1_epi8(3), offset = _mm256_set1_epi8(32);
   for (int e0 = 0; e0 < 256; e0 += 32) {  // ql's 32 bytes 64 h + 32 u, low nibbles for t = 0; qh's crumb 2t + u
     const int h = e0 / 128, t = (e0 % 128) / 64, u = (e0 % 64) / 32;
     const __m256i ql = load32(b + 64 * h + 32 * u), qh = load32(b + 128 + 32 * h);
     const __m256i low = _mm256_and_si256(t ? _mm256_srli_epi16(ql, 4) : ql, nibble);
     const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(4 * t + 2 * u)), crumb);
-    float ds[2];
-    for (int k = 0; k < 2; ++k) ds[k] = d * static_cast<float>(static_cast<int8_t>(b[192 + e0 / 16 + k]));
-    store32<false>(_mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), offset), ds, nullptr, w + e0);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q + e0),
+                       _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), offset));
   }
 }
 #else
-template <>
-inline void decode<Q6_K>(const uint8_t* b, float* w) {  // ql[128] | qh[64] | scales[16] (int8) | d
-  const float d = half(b + 208);
-  for (int e0 = 0; e0 < 256; e0 += 16) {
-    const float ds = d * static_cast<float>(static_cast<int8_t>(b[192 + e0 / 16]));
-    const uint8_t* ql = b + 64 * (e0 / 128) + e0 % 64;
-    const uint8_t* qh = b + 128 + 32 * (e0 / 128) + e0 % 32;
-    const int low_shift = 4 * ((e0 % 128) / 64), high_shift = 2 * ((e0 % 128) / 32);
-    for (int l = 0; l < 16; ++l)
-      w[e0 + l] = ds * static_cast<float>(
-          (((ql[l] >> low_shift) & 0x0f) | (((qh[l] >> high_shift) & 3) << 4)) - 32);
+inline void q6k_ints(const uint8_t* b, int8_t* q) {
+  for (int e = 0; e < 256; ++e) {
+    const int h = e / 128, k = e % 128 / 32, l = e % 32;
+    const int low = (b[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0x0f, high = (b[128 + 32 * h + l] >> (2 * k)) & 3;
+    q[e] = static_cast<int8_t>((low | high << 4) - 32);
   }
 }
 #endif
+
+// Vectors of Q6_K weights: kQ6KLanes integers (q6k_ints) as floats times their sub-block's scale (q6k_scales:
+// d times the int8 scale, exact in float32), as decoding rounds them. fma_x and lanes_sum: the kernel's arithmetic
+// at that width.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define FW_Q6K_VECTORS 1
+constexpr int kQ6KLanes = 16;
+inline __m512 q6k_weights(const int8_t* q, float ds) {
+  return _mm512_mul_ps(_mm512_set1_ps(ds), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                               _mm_load_si128(reinterpret_cast<const __m128i*>(q)))));
+}
+inline void q6k_scales(const uint8_t* b, float* ds) {
+  _mm512_store_ps(ds, _mm512_mul_ps(_mm512_set1_ps(half(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))))));
+}
+inline __m512 fma_x(__m512 w, const float* x, __m512 a) { return _mm512_fmadd_ps(w, _mm512_loadu_ps(x), a); }
+inline float lanes_sum(__m512 v) { return _mm512_reduce_add_ps(v); }
+inline void store_ps(float* w, __m512 v) { _mm512_store_ps(w, v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FW_Q6K_VECTORS 1
+constexpr int kQ6KLanes = 8;
+inline __m256 q6k_weights(const int8_t* q, float ds) {
+  return _mm256_mul_ps(_mm256_set1_ps(ds), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))));
+}
+inline void q6k_scales(const uint8_t* b, float* ds) {
+  const __m256 d = _mm256_set1_ps(half(b + 208));
+  for (int h = 0; h < 2; ++h)
+    _mm256_store_ps(ds + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                     _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 192 + 8 * h))))));
+}
+inline __m256 fma_x(__m256 w, const float* x, __m256 a) { return _mm256_fmadd_ps(w, _mm256_loadu_ps(x), a); }
+inline float lanes_sum(__m256 v) { return fw::sum8(v); }
+inline void store_ps(float* w, __m256 v) { _mm256_store_ps(w, v); }
+#endif
+
+template <>
+inline void decode<Q6_K>(const uint8_t* b, float* w) {
+  alignas(64) int8_t q[256];
+  q6k_ints(b, q);
+#if defined(FW_Q6K_VECTORS)
+  alignas(64) float ds[16];
+  q6k_scales(b, ds);
+  for (int v = 0; v < 256 / kQ6KLanes; ++v)
+    store_ps(w + kQ6KLanes * v, q6k_weights(q + kQ6KLanes * v, ds[kQ6KLanes * v / 16]));
+#else
+  const float d = half(b + 208);
+  for (int e = 0; e < 256; ++e) w[e] = d * static_cast<float>(static_cast<int8_t>(b[192 + e / 16])) * q[e];
+#endif
+}
 
 // M rows' sums of products of n floats (n a multiple of 32) with x, in two sets of accumulators so that
 // consecutive FMAs do not wait on each other.
@@ -715,6 +749,56 @@ void dot_row_decoded(const float* x, const RowAux&, const uint8_t* row, float* y
   }
   for (int m = 0; m < M; ++m) y[m * ldy] = dot.sum(m);
 }
+
+// --- Q6_K: integers as bytes ---
+// One output row for M activation rows of Q6_K: each super-block's integers as bytes (q6k_ints), widened a
+// vector at a time, times the scale of their 16 elements (d times the int8 sub-block scale, exact in float32, as
+// decoding it rounds) and x: the weights never go through L1 as floats (the store and load of dot_row_decoded,
+// and one shuffle a vector fewer). Four sets of accumulators for one or two rows, two for more.
+#if defined(FW_Q6K_VECTORS)
+constexpr bool k6_bytes(int64_t qtype) { return qtype == Q6_K; }
+
+template <int M>
+void dot_row_k6(const float* x, const RowAux&, const uint8_t* row, float* y, int64_t ldy, int64_t, int64_t K) {
+  using Vec = decltype(q6k_weights(nullptr, 0.f));
+  constexpr int64_t bb = block_bytes(Q6_K);
+  constexpr int kSets = M <= 2 ? 4 : 2, kVectors = 256 / kQ6KLanes;
+  for (int64_t off = 0; off < K / 256 * bb; off += 64) fw::prefetch_ahead(row + off);  // a row's lines, once
+  Vec acc[kSets][M];
+  for (int k = 0; k < kSets; ++k)
+    for (int m = 0; m < M; ++m) acc[k][m] = Vec{};
+  // The scales of up to kScaleRun super-blocks first, apart from the products that read them (a quarter faster
+  // than converting each super-block's in turn).
+  constexpr int64_t kScaleRun = 64;
+  alignas(64) float scales[kScaleRun * 16];
+  alignas(64) int8_t q[256];
+  for (int64_t b0 = 0; b0 < K / 256; b0 += kScaleRun) {
+    const int64_t run = std::min(kScaleRun, K / 256 - b0);
+    for (int64_t b = 0; b < run; ++b) q6k_scales(row + (b0 + b) * bb, scales + 16 * b);
+    for (int64_t b = b0; b < b0 + run; ++b) {
+      q6k_ints(row + b * bb, q);
+      const float* ds = scales + 16 * (b - b0);
+#pragma GCC unroll 32  // constant accumulator indices: a loop would keep them in memory
+      for (int v = 0; v < kVectors; ++v) {
+        const Vec w = q6k_weights(q + kQ6KLanes * v, ds[kQ6KLanes * v / 16]);
+        for (int m = 0; m < M; ++m) {
+          Vec& a = acc[v % kSets][m];
+          a = fma_x(w, x + m * K + 256 * b + kQ6KLanes * v, a);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    Vec total = acc[0][m];
+    for (int k = 1; k < kSets; ++k) total = total + acc[k][m];
+    y[m * ldy] = lanes_sum(total);
+  }
+}
+#else
+constexpr bool k6_bytes(int64_t) { return false; }
+template <int M>
+void dot_row_k6(const float*, const RowAux&, const uint8_t*, float*, int64_t, int64_t, int64_t);
+#endif
 
 // --- Q4_K and Q5_K in registers ---
 // The types read so (dot_row_k4, on x in q4k_order).
@@ -1080,6 +1164,8 @@ constexpr std::array<RowFn, kMaxRows> float_kernels(std::index_sequence<I...>) {
     return {dot_row<T, I + 1>...};
   else if constexpr (k4_registers(T))
     return {dot_row_k4<T, I + 1>...};
+  else if constexpr (k6_bytes(T))
+    return {dot_row_k6<I + 1>...};
   else
     return {dot_row_decoded<T, I + 1>...};
 }
