@@ -1,9 +1,9 @@
 // Products of a few activation rows with ggml-quantized weights, decoding each block as it streams by: the
 // weights are read once, in their packed size, instead of being dequantized into a full float matrix first. For
 // decode steps (few rows). Q4_0, Q4_1 and Q8_0 have kernels of their own that decode a 32-weight block in
-// registers, as do Q4_K (AVX2 or AVX-512) and Q5_K (AVX-512) (dot_row_k4); the other types (Q5_0, Q5_1 and the
-// other K-quants, which llama.cpp's *_K_M files mix in) decode a block into floats in L1 and multiply from there
-// (dot_row_decoded).
+// registers, as do Q4_K (AVX2 or AVX-512) and Q5_K (AVX-512) (dot_row_k4); Q6_K (AVX2 or AVX-512) decodes a
+// super-block into bytes and widens them as it multiplies (dot_row_k6); the other types (Q5_0, Q5_1, Q2_K, Q3_K,
+// which llama.cpp's *_K_M files mix in) decode a block into floats in L1 and multiply from there (dot_row_decoded).
 // quant_gemv multiplies the activations as they are; quant_gemv_a8 and quant_gemv_a16 round them to int8 (as
 // llama.cpp does on CPUs) or int16 blocks first and multiply integers: a block's dot product is a few integer
 // instructions, exact (Q4_0, Q4_1, Q8_0). dequantize decodes whole rows for prefill-sized products.
