@@ -74,29 +74,33 @@ def test_q8_0_requantization_gives_ggml_blocks():
     assert torch.equal(quantize_q8_0(table), torch.from_numpy(blocks))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("embed_type", [Q.Q8_0, Q.F16, Q.Q6_K, Q.Q4_K])
 @pytest.mark.parametrize("tied", [True, False])
-def test_gguf_head_keeps_its_blocks(tmp_path, embed_type, tied):
-    """A float32 model whose head (tied table or output) came from Q8_0 or a K-quant computes its logits on the
-    file's blocks, as its float head would; a float table keeps the float head. Hidden size 256: one K-quant
-    super-block a row."""
+def test_gguf_head_keeps_its_blocks(tmp_path, embed_type, tied, dtype):
+    """A model whose head (tied table or output) came from Q8_0 or a K-quant computes its logits on the file's
+    blocks, as its float32 head would, also where the table is held in bf16 (``--dtype bfloat16``); a float table
+    keeps the float head. Hidden size 256: one K-quant super-block a row."""
     src = make_tiny_model("LlamaForCausalLM", tmp_path / "llama", tie_word_embeddings=tied, hidden_size=256)
     part = "embed_tokens" if tied else "lm_head"
     path = gguf_tests.write_gguf(src, tmp_path / "tiny.gguf", Q.Q8_0, {part: embed_type})
-    model = gguf_tests.load_gguf(path)
+    model = gguf_tests.load_gguf(path, dtype)
     head = model.lm_head
     assert (head.quantized is not None) == (embed_type != Q.F16)
-    table = model.model.embed_tokens.weight if tied else dict(gguf_tests.dequantized_gguf(path, None))["lm_head.weight"]
-    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    table = dict(gguf_tests.dequantized_gguf(path, None))[name]  # the file's weights in float32
+    hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)
     logits = head(hidden)
     assert logits.dtype == torch.float32
-    torch.testing.assert_close(logits, hidden @ table.T, atol=1e-4, rtol=1e-4)
+    if embed_type != Q.F16 or dtype == torch.float32:
+        torch.testing.assert_close(logits, hidden.float() @ table.T, atol=1e-4, rtol=1e-4)
     if embed_type == Q.F16:
         return
     # The blocks are the file's own, of its type; blocks that do not decode to the table (here: read one byte
     # off) are refused.
+    held = model.model.embed_tokens.weight if tied else table.to(dtype)
     config = GGUFFormat().config(str(path))["quantization_config"]
-    found = GGUFMethod(GGUFOptions(), config)._file_head(table)
+    found = GGUFMethod(GGUFOptions(), config)._file_head(held)
     assert found is not None and found[0] == embed_type
     config["head"]["offset"] += 1
-    assert GGUFMethod(GGUFOptions(), config)._file_head(table) is None
+    assert GGUFMethod(GGUFOptions(), config)._file_head(held) is None

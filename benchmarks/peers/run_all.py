@@ -3,6 +3,7 @@
     python benchmarks/peers/run_all.py --model /tmp/qwen05b                     # fw, transformers, vLLM, llama.cpp
     python benchmarks/peers/run_all.py --gguf smollm2.Q4_1.gguf                 # fw vs llama.cpp on a GGUF file
     python benchmarks/peers/run_all.py --gguf F --fw-option quant.activations=int8  # and fw with that option too
+    python benchmarks/peers/run_all.py --gguf F --fw-dtype bfloat16                 # and fw in bf16 too
 
 Each peer script installs its engine on first use (see setup.sh). Run it on a quiet machine: every engine
 gets two threads, and anything else running skews the numbers.
@@ -37,12 +38,12 @@ def run(cmd: list[str], env: dict | None = None, whole: bool = False) -> dict:
     return json.loads(proc.stdout if whole else proc.stdout.strip().splitlines()[-1])
 
 
-def run_fw(args: argparse.Namespace, model: str, option: str | None = None) -> dict:
-    """fw's row: as a user gets it, or with one ``--plugin-option``."""
+def run_fw(args: argparse.Namespace, model: str, flags: list[str] | None = None) -> dict:
+    """fw's row: as a user gets it, or with extra flags (one ``--plugin-option``, or ``--dtype``)."""
     fw = shutil.which("fw", path=str(Path(sys.executable).parent)) or shutil.which("fw") or "fw"
     common = [fw, "bench"]
     shape = [
-        *(["--plugin-option", option] if option else []),
+        *(flags or []),
         "--model",
         model,
         "--input-len",
@@ -58,7 +59,7 @@ def run_fw(args: argparse.Namespace, model: str, option: str | None = None) -> d
     thr = run([*common, "throughput", *shape, "--num-prompts", str(args.num_prompts)], env, whole=True)
     version = subprocess.run([fw, "--version"], capture_output=True, text=True).stdout.strip()
     return {
-        "engine": f"fw {option}" if option else "fw",
+        "engine": " ".join(["fw", *(flags or [])[1::2]]),
         "versions": {"fw": version},
         "ttft_ms_median": lat["ttft_ms_median"],
         "ttft_ms_spread": lat["ttft_ms_spread"],
@@ -121,6 +122,8 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--fw-option", action="append", default=[], metavar="KIND.OPTION=VALUE",
                    help="Also run fw with this --plugin-option, as a row of its own (repeatable).")
+    p.add_argument("--fw-dtype", action="append", default=[], metavar="DTYPE",
+                   help="Also run fw with this --dtype, as a row of its own (repeatable).")
     p.add_argument("--out", default="peer_results.json", help="Where to write every engine's JSON.")
     args = p.parse_args()
     peers = ["llamacpp"] if args.gguf else [x for x in args.peers.split(",") if x]
@@ -128,7 +131,8 @@ def main() -> None:
     if unknown:
         p.error(f"unknown peers: {', '.join(sorted(unknown))}")
 
-    results = [run_fw(args, args.gguf or args.model, option) for option in [None, *args.fw_option]]
+    variants = [[], *(["--plugin-option", o] for o in args.fw_option), *(["--dtype", d] for d in args.fw_dtype)]
+    results = [run_fw(args, args.gguf or args.model, flags) for flags in variants]
     shape = [
         "--input-len",
         str(args.input_len),

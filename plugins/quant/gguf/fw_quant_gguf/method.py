@@ -286,15 +286,18 @@ class GGUFMethod(QuantMethod):
         """The head on ggml blocks, where the native kernels read them: the logits keep their weights, while the
         head, a small model's largest matrix and read in full every decode step, reads a quarter (Q8_0) to a
         seventh (Q4_K) of the float table's bytes. The blocks are the file's own (``output``, or the tied
-        ``token_embd``), read again and checked against the loaded table; a table that holds a rank's rows only
-        (tensor parallel) keeps its weights if it is exactly a Q8_0 table (as one dequantized from the file's Q8_0
-        is: it requantizes to the same blocks, checked). Any other table keeps the float head, as does a machine
-        without the native kernels (the torch candidates would dequantize the whole head every step); while they
-        build in the background, kernel choice takes them up once they land."""
-        if (self.dequantize_at_load or weight.dtype != torch.float32 or weight.device.type != "cpu"
+        ``token_embd``), read again and checked against the loaded table (float32, or bfloat16 with
+        ``--dtype bfloat16``: the head then multiplies the file's weights rather than their bf16 rounding); a
+        float32 table that holds a rank's rows only (tensor parallel) keeps its weights if it is exactly a Q8_0
+        table (as one dequantized from the file's Q8_0 is: it requantizes to the same blocks, checked). Any other
+        table keeps the float head, as does a machine without the native kernels (the torch candidates would
+        dequantize the whole head every step); while they build in the background, kernel choice takes them up
+        once they land."""
+        if (self.dequantize_at_load or weight.dtype not in (torch.float32, torch.bfloat16)
+                or weight.device.type != "cpu"
                 or not (native.load("fw_quant_gguf", _SOURCE) or "fw_quant_gguf" in native.building())):
             return None
-        found = self._file_head(weight) or _q8_0_head(weight)
+        found = self._file_head(weight) or (_q8_0_head(weight) if weight.dtype == torch.float32 else None)
         if found is None:
             return None
         qtype, data = found
@@ -321,7 +324,7 @@ class GGUFMethod(QuantMethod):
         decode = _native_decode if native.load("fw_quant_gguf", _SOURCE) else dequantize
         # A few thousand rows at a time: a whole decoded copy would be the float table's size again.
         for start in range(0, len(data), 4096):
-            if not torch.equal(decode(data[start : start + 4096], qtype, torch.float32), weight[start : start + 4096]):
+            if not torch.equal(decode(data[start : start + 4096], qtype, weight.dtype), weight[start : start + 4096]):
                 return None
         return qtype, data
 
