@@ -600,6 +600,16 @@ inline void decode<Q5_K>(const uint8_t* b, float* w) {  // d | dmin | scales[12]
   decode_k4(b, b + 16, b + 48, w);
 }
 
+// The super-block kernels request each super-block's lines this far ahead as their loop reaches it, rather than
+// a whole row's lines at its start kPrefetchAhead ahead as the 32-weight kernels do: K-quant rows are long (a
+// 8960-feature Q4_K row is 5 KB) and the burst at a row's start kept too little of the stream in flight. On a
+// Zen 5 at one row (Gweights/s): 1536 x 8960 Q4_K 47 -> 64, Q6_K 25 -> 47; 1536-feature rows 56 -> 58, 48 -> 50.
+constexpr int64_t kSuperBlockAhead = 16384;
+template <int64_t T>
+inline void prefetch_super_block(const uint8_t* blk) {
+  for (int64_t off = 0; off < block_bytes(T); off += 64) fw::prefetch_ahead<kSuperBlockAhead>(blk + off);
+}
+
 // Q6_K's integers minus 32 as signed bytes, in element order: (low nibble | high crumb << 4) - 32. Element
 // 128 h + 32 k + l takes ql[64 h + 32 (k % 2) + l]'s low (k < 2) or high nibble and crumb k of qh[32 h + l].
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -763,7 +773,6 @@ void dot_row_k6(const float* x, const RowAux&, const uint8_t* row, float* y, int
   using Vec = decltype(q6k_weights(nullptr, 0.f));
   constexpr int64_t bb = block_bytes(Q6_K);
   constexpr int kSets = M <= 2 ? 4 : 2, kVectors = 256 / kQ6KLanes;
-  for (int64_t off = 0; off < K / 256 * bb; off += 64) fw::prefetch_ahead(row + off);  // a row's lines, once
   Vec acc[kSets][M];
   for (int k = 0; k < kSets; ++k)
     for (int m = 0; m < M; ++m) acc[k][m] = Vec{};
@@ -776,6 +785,7 @@ void dot_row_k6(const float* x, const RowAux&, const uint8_t* row, float* y, int
     const int64_t run = std::min(kScaleRun, K / 256 - b0);
     for (int64_t b = 0; b < run; ++b) q6k_scales(row + (b0 + b) * bb, scales + 16 * b);
     for (int64_t b = b0; b < b0 + run; ++b) {
+      prefetch_super_block<Q6_K>(row + b * bb);
       q6k_ints(row + b * bb, q);
       const float* ds = scales + 16 * (b - b0);
 #pragma GCC unroll 32  // constant accumulator indices: a loop would keep them in memory
@@ -874,7 +884,6 @@ template <int64_t T, int M>
 void dot_row_k4(const float* xk, const RowAux&, const uint8_t* row, float* y, int64_t ldy, int64_t, int64_t K) {
   constexpr int64_t bb = block_bytes(T), qs_at = T == Q5_K ? 48 : 16;
   constexpr int kSets = M <= 2 ? 4 : 2;
-  for (int64_t off = 0; off < K / 256 * bb; off += 64) fw::prefetch_ahead(row + off);  // a row's lines, once
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 iota16 = _mm512_add_ps(iota, _mm512_set1_ps(16.f));
   __m512i shift[4], rotate[4];  // rotate: lane's qh bit of sub-block 2c + v / 2 to bit 4, less 2c
@@ -895,6 +904,7 @@ void dot_row_k4(const float* xk, const RowAux&, const uint8_t* row, float* y, in
     for (int64_t b = 0; b < run; ++b) _mm512_store_ps(scales + 16 * b, q4k_scales(row + (b0 + b) * bb));
     for (int64_t b = b0; b < b0 + run; ++b) {
       const uint8_t* blk = row + b * bb;
+      prefetch_super_block<T>(blk);
       const float* sm = scales + 16 * (b - b0);
       const __m512i qh = T == Q5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)))
                                    : _mm512_setzero_si512();
@@ -937,10 +947,10 @@ void dot_row_k4(const float* xk, const RowAux& aux, const uint8_t* row, float* y
                 int64_t K) {
   static_assert(T == Q4_K, "AVX2 reads Q4_K in registers only");
   constexpr int64_t bb = block_bytes(Q4_K);
-  for (int64_t off = 0; off < K / 256 * bb; off += 64) fw::prefetch_ahead(row + off);  // a row's lines, once
   thread_local std::vector<float> scales;  // each super-block's d scale_j and dmin min_j, j = 0..7
   scales.resize(K / 256 * 16);
   for (int64_t sup = 0; sup < K / 256; ++sup) {  // ahead of the products that read them
+    prefetch_super_block<Q4_K>(row + sup * bb);
     const __m128i bytes = q4k_scale_bytes(row + sup * bb);
     _mm256_storeu_ps(scales.data() + 16 * sup, _mm256_mul_ps(_mm256_set1_ps(half(row + sup * bb)),
                                                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))));
