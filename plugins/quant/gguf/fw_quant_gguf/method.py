@@ -12,8 +12,9 @@ Products (``fw.sdk.kernels`` operation ``gguf.linear``, chosen per CPU, shape an
 (bf16 GEMMs are several times slower on CPUs without bf16 arithmetic), ``fw-dequant`` is ``torch`` with the
 blocks decoded natively (several times faster than the torch ops, the same values), and ``fw`` is a native
 kernel that decodes each block as it reads it (in registers for Q4_0/Q4_1/Q8_0 and Q4_K, and Q5_K with
-AVX-512; Q6_K through a super-block of bytes; through a block of floats in L1 for the other types): it wins at
-decode sizes, while prefill-sized inputs amortize one dequantization into a dense product better.
+AVX-512; Q6_K, and Q5_K without AVX-512, through a super-block of bytes; through a block of floats in L1 for
+the other types): it wins at decode sizes, while prefill-sized inputs amortize one dequantization into a dense
+product better.
 With the plugin's option ``activations=int8`` products of Q4_0/Q4_1/Q8_0 blocks on the CPU are
 operation ``gguf.linear.a8``: each block of 32 activation values is rounded to int8 with its own scale first,
 as llama.cpp does, and ``fw`` multiplies bytes (exact in int32); its ``torch`` reference emulates that rounding.

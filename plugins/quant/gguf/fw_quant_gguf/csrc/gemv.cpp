@@ -1,8 +1,8 @@
 // Products of a few activation rows with ggml-quantized weights, decoding each block as it streams by: the
 // weights are read once, in their packed size, instead of being dequantized into a full float matrix first. For
 // decode steps (few rows). Q4_0, Q4_1 and Q8_0 have kernels of their own that decode a 32-weight block in
-// registers, as do Q4_K (AVX2 or AVX-512) and Q5_K (AVX-512) (dot_row_k4); Q6_K (AVX2 or AVX-512) decodes a
-// super-block into bytes and widens them as it multiplies (dot_row_k6); the other types (Q5_0, Q5_1, Q2_K, Q3_K,
+// registers, as do Q4_K (AVX2 or AVX-512) and Q5_K (AVX-512) (dot_row_k4); Q6_K, and Q5_K with AVX2, decode a
+// super-block into bytes and widen them as they multiply (dot_row_bytes); the other types (Q5_0, Q5_1, Q2_K, Q3_K,
 // which llama.cpp's *_K_M files mix in) decode a block into floats in L1 and multiply from there (dot_row_decoded).
 // quant_gemv multiplies the activations as they are; quant_gemv_a8 and quant_gemv_a16 round them to int8 (as
 // llama.cpp does on CPUs) or int16 blocks first and multiply integers: a block's dot product is a few integer
@@ -650,15 +650,18 @@ inline void q6k_ints(const uint8_t* b, int8_t* q) {
 }
 #endif
 
-// Vectors of Q6_K weights: kQ6KLanes integers (q6k_ints) as floats times their sub-block's scale (q6k_scales:
-// d times the int8 scale, exact in float32), as decoding rounds them. fma_x and lanes_sum: the kernel's arithmetic
-// at that width.
+// Vectors of weights from integers as bytes (q6k_ints, q5k_ints): kByteLanes of them as floats times their
+// sub-block's scale (Q6_K's q6k_scales: d times the int8 scale, exact in float32), less its min (Q5_K), as decoding
+// rounds them. fma_x and lanes_sum: the byte kernel's arithmetic at that width.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#define FW_Q6K_VECTORS 1
-constexpr int kQ6KLanes = 16;
-inline __m512 q6k_weights(const int8_t* q, float ds) {
-  return _mm512_mul_ps(_mm512_set1_ps(ds), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                               _mm_load_si128(reinterpret_cast<const __m128i*>(q)))));
+#define FW_BYTE_VECTORS 1
+constexpr int kByteLanes = 16;
+inline __m512 byte_ints(const int8_t* q) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q))));
+}
+inline __m512 byte_weights(const int8_t* q, float ds) { return _mm512_mul_ps(_mm512_set1_ps(ds), byte_ints(q)); }
+inline __m512 byte_weights(const int8_t* q, float ds, float dm) {
+  return _mm512_fmsub_ps(_mm512_set1_ps(ds), byte_ints(q), _mm512_set1_ps(dm));
 }
 inline void q6k_scales(const uint8_t* b, float* ds) {
   _mm512_store_ps(ds, _mm512_mul_ps(_mm512_set1_ps(half(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -668,11 +671,14 @@ inline __m512 fma_x(__m512 w, const float* x, __m512 a) { return _mm512_fmadd_ps
 inline float lanes_sum(__m512 v) { return _mm512_reduce_add_ps(v); }
 inline void store_ps(float* w, __m512 v) { _mm512_store_ps(w, v); }
 #elif defined(__AVX2__) && defined(__FMA__)
-#define FW_Q6K_VECTORS 1
-constexpr int kQ6KLanes = 8;
-inline __m256 q6k_weights(const int8_t* q, float ds) {
-  return _mm256_mul_ps(_mm256_set1_ps(ds), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))));
+#define FW_BYTE_VECTORS 1
+constexpr int kByteLanes = 8;
+inline __m256 byte_ints(const int8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+inline __m256 byte_weights(const int8_t* q, float ds) { return _mm256_mul_ps(_mm256_set1_ps(ds), byte_ints(q)); }
+inline __m256 byte_weights(const int8_t* q, float ds, float dm) {
+  return _mm256_fmsub_ps(_mm256_set1_ps(ds), byte_ints(q), _mm256_set1_ps(dm));
 }
 inline void q6k_scales(const uint8_t* b, float* ds) {
   const __m256 d = _mm256_set1_ps(half(b + 208));
@@ -689,11 +695,11 @@ template <>
 inline void decode<Q6_K>(const uint8_t* b, float* w) {
   alignas(64) int8_t q[256];
   q6k_ints(b, q);
-#if defined(FW_Q6K_VECTORS)
+#if defined(FW_BYTE_VECTORS)
   alignas(64) float ds[16];
   q6k_scales(b, ds);
-  for (int v = 0; v < 256 / kQ6KLanes; ++v)
-    store_ps(w + kQ6KLanes * v, q6k_weights(q + kQ6KLanes * v, ds[kQ6KLanes * v / 16]));
+  for (int v = 0; v < 256 / kByteLanes; ++v)
+    store_ps(w + kByteLanes * v, byte_weights(q + kByteLanes * v, ds[kByteLanes * v / 16]));
 #else
   const float d = half(b + 208);
   for (int e = 0; e < 256; ++e) w[e] = d * static_cast<float>(static_cast<int8_t>(b[192 + e / 16])) * q[e];
@@ -760,56 +766,6 @@ void dot_row_decoded(const float* x, const RowAux&, const uint8_t* row, float* y
   for (int m = 0; m < M; ++m) y[m * ldy] = dot.sum(m);
 }
 
-// --- Q6_K: integers as bytes ---
-// One output row for M activation rows of Q6_K: each super-block's integers as bytes (q6k_ints), widened a
-// vector at a time, times the scale of their 16 elements (d times the int8 sub-block scale, exact in float32, as
-// decoding it rounds) and x: the weights never go through L1 as floats (the store and load of dot_row_decoded,
-// and one shuffle a vector fewer). Four sets of accumulators for one or two rows, two for more.
-#if defined(FW_Q6K_VECTORS)
-constexpr bool k6_bytes(int64_t qtype) { return qtype == Q6_K; }
-
-template <int M>
-void dot_row_k6(const float* x, const RowAux&, const uint8_t* row, float* y, int64_t ldy, int64_t, int64_t K) {
-  using Vec = decltype(q6k_weights(nullptr, 0.f));
-  constexpr int64_t bb = block_bytes(Q6_K);
-  constexpr int kSets = M <= 2 ? 4 : 2, kVectors = 256 / kQ6KLanes;
-  Vec acc[kSets][M];
-  for (int k = 0; k < kSets; ++k)
-    for (int m = 0; m < M; ++m) acc[k][m] = Vec{};
-  // The scales of up to kScaleRun super-blocks first, apart from the products that read them (a quarter faster
-  // than converting each super-block's in turn).
-  constexpr int64_t kScaleRun = 64;
-  alignas(64) float scales[kScaleRun * 16];
-  alignas(64) int8_t q[256];
-  for (int64_t b0 = 0; b0 < K / 256; b0 += kScaleRun) {
-    const int64_t run = std::min(kScaleRun, K / 256 - b0);
-    for (int64_t b = 0; b < run; ++b) q6k_scales(row + (b0 + b) * bb, scales + 16 * b);
-    for (int64_t b = b0; b < b0 + run; ++b) {
-      prefetch_super_block<Q6_K>(row + b * bb);
-      q6k_ints(row + b * bb, q);
-      const float* ds = scales + 16 * (b - b0);
-#pragma GCC unroll 32  // constant accumulator indices: a loop would keep them in memory
-      for (int v = 0; v < kVectors; ++v) {
-        const Vec w = q6k_weights(q + kQ6KLanes * v, ds[kQ6KLanes * v / 16]);
-        for (int m = 0; m < M; ++m) {
-          Vec& a = acc[v % kSets][m];
-          a = fma_x(w, x + m * K + 256 * b + kQ6KLanes * v, a);
-        }
-      }
-    }
-  }
-  for (int m = 0; m < M; ++m) {
-    Vec total = acc[0][m];
-    for (int k = 1; k < kSets; ++k) total = total + acc[k][m];
-    y[m * ldy] = lanes_sum(total);
-  }
-}
-#else
-constexpr bool k6_bytes(int64_t) { return false; }
-template <int M>
-void dot_row_k6(const float*, const RowAux&, const uint8_t*, float*, int64_t, int64_t, int64_t);
-#endif
-
 // --- Q4_K and Q5_K in registers ---
 // The types read so (dot_row_k4, on x in q4k_order).
 constexpr bool k4_registers(int64_t qtype) {
@@ -866,6 +822,14 @@ inline __m128i q4k_scale_bytes(const uint8_t* b) {
   const uint32_t min_hi = ((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 2) & 0x30303030);
   return _mm_setr_epi32(static_cast<int>(u[0] & 0x3f3f3f3f), static_cast<int>(scale_hi),
                         static_cast<int>(u[1] & 0x3f3f3f3f), static_cast<int>(min_hi));
+}
+
+// The super-block's eight d scale_j (out[0-7]) and dmin min_j (out[8-15]).
+inline void q4k_scale_floats(const uint8_t* b, float* out) {
+  const __m128i bytes = q4k_scale_bytes(b);
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_set1_ps(half(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))));
+  _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_set1_ps(half(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                                          _mm_unpackhi_epi64(bytes, bytes)))));
 }
 #endif
 
@@ -951,12 +915,7 @@ void dot_row_k4(const float* xk, const RowAux& aux, const uint8_t* row, float* y
   scales.resize(K / 256 * 16);
   for (int64_t sup = 0; sup < K / 256; ++sup) {  // ahead of the products that read them
     prefetch_super_block<Q4_K>(row + sup * bb);
-    const __m128i bytes = q4k_scale_bytes(row + sup * bb);
-    _mm256_storeu_ps(scales.data() + 16 * sup, _mm256_mul_ps(_mm256_set1_ps(half(row + sup * bb)),
-                                                             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes))));
-    _mm256_storeu_ps(scales.data() + 16 * sup + 8,
-                     _mm256_mul_ps(_mm256_set1_ps(half(row + sup * bb + 2)),
-                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes)))));
+    q4k_scale_floats(row + sup * bb, scales.data() + 16 * sup);
   }
   __m256i shift[4];
   for (int v = 0; v < 4; ++v)
@@ -981,6 +940,76 @@ void dot_row_k4(const float* xk, const RowAux& aux, const uint8_t* row, float* y
     }
   });
 }
+#endif
+
+// --- Q6_K (and Q5_K without AVX-512): integers as bytes ---
+// One output row for M activation rows: each super-block's integers decoded into bytes (q6k_ints, q5k_ints),
+// widened a vector at a time, scaled (less the min) as decoding rounds them (byte_weights) and multiplied by x: the
+// weights never go through L1 as floats (the store and load of dot_row_decoded, and one shuffle a vector fewer).
+// The sub-block scales of up to kScaleRun super-blocks are converted first, apart from the products that read them
+// (a quarter faster than each super-block's in turn). Four sets of accumulators for one or two rows, two for more.
+#if defined(__AVX2__)
+// Q5_K's integers (0-31) as bytes, in element order: element 32 j + l is the low (j even) or high nibble of
+// qs[32 (j / 2) + l], with bit j of qh[l] as its fifth bit.
+inline void q5k_ints(const uint8_t* b, int8_t* q) {  // d | dmin | scales[12] | qh[32] | qs[128]
+  const __m256i nibble = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1), high = load32(b + 16);
+  for (int j = 0; j < 8; ++j) {
+    const __m256i qs = load32(b + 48 + 32 * (j / 2));
+    const __m256i low = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(qs, 4) : qs, nibble);
+    const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(j)), one);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q + 32 * j), _mm256_or_si256(low, _mm256_slli_epi16(bit, 4)));
+  }
+}
+#endif
+
+#if defined(FW_BYTE_VECTORS)
+constexpr bool byte_kernel(int64_t qtype) { return qtype == Q6_K || (qtype == Q5_K && !k4_registers(Q5_K)); }
+
+template <int64_t T, int M>
+void dot_row_bytes(const float* x, const RowAux&, const uint8_t* row, float* y, int64_t ldy, int64_t, int64_t K) {
+  using Vec = decltype(byte_ints(nullptr));
+  constexpr int64_t bb = block_bytes(T), group = T == Q6_K ? 16 : 32;  // weights a scale covers
+  constexpr int kSets = M <= 2 ? 4 : 2, kVectors = 256 / kByteLanes;
+  Vec acc[kSets][M];
+  for (int k = 0; k < kSets; ++k)
+    for (int m = 0; m < M; ++m) acc[k][m] = Vec{};
+  constexpr int64_t kScaleRun = 64;
+  alignas(64) float scales[kScaleRun * 16];  // Q6_K: 16 d scale_g; Q5_K: 8 d scale_j, then 8 dmin min_j
+  alignas(64) int8_t q[256];
+  for (int64_t b0 = 0; b0 < K / 256; b0 += kScaleRun) {
+    const int64_t run = std::min(kScaleRun, K / 256 - b0);
+    for (int64_t b = 0; b < run; ++b) {
+      if constexpr (T == Q6_K) q6k_scales(row + (b0 + b) * bb, scales + 16 * b);
+      else q4k_scale_floats(row + (b0 + b) * bb, scales + 16 * b);
+    }
+    for (int64_t b = b0; b < b0 + run; ++b) {
+      prefetch_super_block<T>(row + b * bb);
+      if constexpr (T == Q6_K) q6k_ints(row + b * bb, q);
+      else q5k_ints(row + b * bb, q);
+      const float* ds = scales + 16 * (b - b0);
+#pragma GCC unroll 32  // constant accumulator indices: a loop would keep them in memory
+      for (int v = 0; v < kVectors; ++v) {
+        const int g = kByteLanes * v / group;
+        Vec w;
+        if constexpr (T == Q6_K) w = byte_weights(q + kByteLanes * v, ds[g]);
+        else w = byte_weights(q + kByteLanes * v, ds[g], ds[8 + g]);
+        for (int m = 0; m < M; ++m) {
+          Vec& a = acc[v % kSets][m];
+          a = fma_x(w, x + m * K + 256 * b + kByteLanes * v, a);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    Vec total = acc[0][m];
+    for (int k = 1; k < kSets; ++k) total = total + acc[k][m];
+    y[m * ldy] = lanes_sum(total);
+  }
+}
+#else
+constexpr bool byte_kernel(int64_t) { return false; }
+template <int64_t T, int M>
+void dot_row_bytes(const float*, const RowAux&, const uint8_t*, float*, int64_t, int64_t, int64_t);
 #endif
 
 // --- integer activations ---
@@ -1174,8 +1203,8 @@ constexpr std::array<RowFn, kMaxRows> float_kernels(std::index_sequence<I...>) {
     return {dot_row<T, I + 1>...};
   else if constexpr (k4_registers(T))
     return {dot_row_k4<T, I + 1>...};
-  else if constexpr (k6_bytes(T))
-    return {dot_row_k6<I + 1>...};
+  else if constexpr (byte_kernel(T))
+    return {dot_row_bytes<T, I + 1>...};
   else
     return {dot_row_decoded<T, I + 1>...};
 }
