@@ -623,7 +623,8 @@ inline void q6k_ints(const uint8_t* b, int8_t* q) {  // ql[128] | qh[64] | scale
       // 16-bit lanes 0-15 (qh's first copy) shift by 4t, lanes 16-31 by 4t + 2: a byte's crumb sits in its low bits.
       const __m512i shift = _mm512_mask_blend_epi16(0xffff0000u, _mm512_set1_epi16(4 * t), _mm512_set1_epi16(4 * t + 2));
       const __m512i high = _mm512_and_si512(_mm512_srlv_epi16(qh, shift), crumb);
-      _mm512_store_si512(q + 128 * h + 64 * t, _mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), offset));
+      const __m512i ints = _mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), offset);
+      _mm512_store_si512(q + 128 * h + 64 * t, ints);
     }
   }
 }
@@ -664,8 +665,8 @@ inline __m512 byte_weights(const int8_t* q, float ds, float dm) {
   return _mm512_fmsub_ps(_mm512_set1_ps(ds), byte_ints(q), _mm512_set1_ps(dm));
 }
 inline void q6k_scales(const uint8_t* b, float* ds) {
-  _mm512_store_ps(ds, _mm512_mul_ps(_mm512_set1_ps(half(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))))));
+  const __m512i scales = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+  _mm512_store_ps(ds, _mm512_mul_ps(_mm512_set1_ps(half(b + 208)), _mm512_cvtepi32_ps(scales)));
 }
 inline __m512 fma_x(__m512 w, const float* x, __m512 a) { return _mm512_fmadd_ps(w, _mm512_loadu_ps(x), a); }
 inline float lanes_sum(__m512 v) { return _mm512_reduce_add_ps(v); }
@@ -682,9 +683,10 @@ inline __m256 byte_weights(const int8_t* q, float ds, float dm) {
 }
 inline void q6k_scales(const uint8_t* b, float* ds) {
   const __m256 d = _mm256_set1_ps(half(b + 208));
-  for (int h = 0; h < 2; ++h)
-    _mm256_store_ps(ds + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                     _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 192 + 8 * h))))));
+  for (int h = 0; h < 2; ++h) {
+    const __m256i scales = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 192 + 8 * h)));
+    _mm256_store_ps(ds + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(scales)));
+  }
 }
 inline __m256 fma_x(__m256 w, const float* x, __m256 a) { return _mm256_fmadd_ps(w, _mm256_loadu_ps(x), a); }
 inline float lanes_sum(__m256 v) { return fw::sum8(v); }
