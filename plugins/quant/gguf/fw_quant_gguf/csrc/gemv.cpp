@@ -645,7 +645,8 @@ inline void q6k_ints(const uint8_t* b, int8_t* q) {
 inline void q6k_ints(const uint8_t* b, int8_t* q) {
   for (int e = 0; e < 256; ++e) {
     const int h = e / 128, k = e % 128 / 32, l = e % 32;
-    const int low = (b[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0x0f, high = (b[128 + 32 * h + l] >> (2 * k)) & 3;
+    const int low = (b[64 * h + 32 * (k % 2) + l] >> (4 * (k / 2))) & 0x0f;
+    const int high = (b[128 + 32 * h + l] >> (2 * k)) & 3;
     q[e] = static_cast<int8_t>((low | high << 4) - 32);
   }
 }
@@ -949,7 +950,7 @@ void dot_row_k4(const float* xk, const RowAux& aux, const uint8_t* row, float* y
 // widened a vector at a time, scaled (less the min) as decoding rounds them (byte_weights) and multiplied by x: the
 // weights never go through L1 as floats (the store and load of dot_row_decoded, and one shuffle a vector fewer).
 // The sub-block scales of up to kScaleRun super-blocks are converted first, apart from the products that read them
-// (a quarter faster than each super-block's in turn). Four sets of accumulators for one or two rows, two for more.
+// (a fifth faster than each super-block's in turn). Four sets of accumulators for one or two rows, two for more.
 #if defined(__AVX2__)
 // Q5_K's integers (0-31) as bytes, in element order: element 32 j + l is the low (j even) or high nibble of
 // qs[32 (j / 2) + l], with bit j of qh[l] as its fifth bit.
