@@ -235,19 +235,19 @@ inline void store16(bf16* y, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__
 inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
 
 // y[MR, NB * 16] = x[MR, K] . W^T (+ bias) for NB blocks of w, K / 2 pairs each; with `scale` (per column),
-// y = scale * (x . W^T) (+ bias), for weights stored unscaled. `ahead` (or null): kPairBlocks blocks whose lines
-// are requested as these are read, pair for pair.
+// y = scale * (x . W^T) (+ bias), for weights stored unscaled. `ahead` (or null): kPairBlocks blocks, `stride`
+// elements apart, whose lines are requested as these are read, pair for pair (stride 0: one block).
 template <int MR, int NB, typename Out>
 inline void pair_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t K, const float* bias, const float* scale,
-                      Out* y, int64_t ldy, const bf16* ahead) {
+                      Out* y, int64_t ldy, const bf16* ahead, int64_t stride) {
   __m512 acc[MR][NB];
   const bool bias_first = bias && !scale;
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = bias_first ? _mm512_loadu_ps(bias + j * kPairCols) : _mm512_setzero_ps();
   const int64_t pairs = K / 2, block = pairs * 2 * kPairCols;  // elements per column block
   for (int64_t p = 0; p < pairs; ++p) {
-    if (ahead)
-      for (int j = 0; j < kPairBlocks; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * block + p * 2 * kPairCols), _MM_HINT_T1);
+    if (ahead)  // a constant count: a loop of the tile's own length cost small tiles a tenth
+      for (int j = 0; j < kPairBlocks; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * stride + p * 2 * kPairCols), _MM_HINT_T1);
     __m512bh b[NB];
     for (int j = 0; j < NB; ++j) b[j] = (__m512bh)_mm512_loadu_si512(w + j * block + p * 2 * kPairCols);
     for (int m = 0; m < MR; ++m) {
@@ -266,23 +266,32 @@ inline void pair_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t K, cons
     for (int j = 0; j < NB; ++j) store16(y + m * ldy + j * kPairCols, acc[m][j]);
 }
 
-// Every row of x against NB blocks, kPairRows at a time; the first tile requests the `ahead` blocks.
+// Every row of x against NB blocks, kPairRows at a time. `ahead` (or null): kPairBlocks blocks (the next group's),
+// whose lines the tiles request as they read: with three tiles or more, a block each, else all in the first. Requested
+// within the first tile alone, a group's lines arrived no sooner (at 32 rows the layers' weights streamed at 22 GB/s,
+// where memory gives 36-40).
 template <int NB, typename Out>
 void pair_row_tiles(const bf16* x, int64_t M, int64_t K, const bf16* w, const float* bias, const float* scale, Out* y,
                     int64_t N, const bf16* ahead) {
+  const bool spread = M >= kPairBlocks * kPairRows;  // as pair_product's bound
+  const int64_t block = K * kPairCols, stride = spread ? 0 : block;
+  auto tile_ahead = [&](int64_t tile) {
+    return ahead && tile < (spread ? kPairBlocks : 1) ? ahead + tile * block : nullptr;
+  };
   int64_t m = 0;
-  for (; m + kPairRows <= M; m += kPairRows, ahead = nullptr)
-    pair_tile<kPairRows, NB>(x + m * K, K, w, K, bias, scale, y + m * N, N, ahead);
+  for (; m + kPairRows <= M; m += kPairRows)
+    pair_tile<kPairRows, NB>(x + m * K, K, w, K, bias, scale, y + m * N, N, tile_ahead(m / kPairRows), stride);
   const bf16* xr = x + m * K;
+  const bf16* ar = tile_ahead(m / kPairRows);
   Out* yr = y + m * N;
   switch (M - m) {  // the last rows
-    case 7: pair_tile<7, NB>(xr, K, w, K, bias, scale, yr, N, ahead); break;
-    case 6: pair_tile<6, NB>(xr, K, w, K, bias, scale, yr, N, ahead); break;
-    case 5: pair_tile<5, NB>(xr, K, w, K, bias, scale, yr, N, ahead); break;
-    case 4: pair_tile<4, NB>(xr, K, w, K, bias, scale, yr, N, ahead); break;
-    case 3: pair_tile<3, NB>(xr, K, w, K, bias, scale, yr, N, ahead); break;
-    case 2: pair_tile<2, NB>(xr, K, w, K, bias, scale, yr, N, ahead); break;
-    case 1: pair_tile<1, NB>(xr, K, w, K, bias, scale, yr, N, ahead); break;
+    case 7: pair_tile<7, NB>(xr, K, w, K, bias, scale, yr, N, ar, stride); break;
+    case 6: pair_tile<6, NB>(xr, K, w, K, bias, scale, yr, N, ar, stride); break;
+    case 5: pair_tile<5, NB>(xr, K, w, K, bias, scale, yr, N, ar, stride); break;
+    case 4: pair_tile<4, NB>(xr, K, w, K, bias, scale, yr, N, ar, stride); break;
+    case 3: pair_tile<3, NB>(xr, K, w, K, bias, scale, yr, N, ar, stride); break;
+    case 2: pair_tile<2, NB>(xr, K, w, K, bias, scale, yr, N, ar, stride); break;
+    case 1: pair_tile<1, NB>(xr, K, w, K, bias, scale, yr, N, ar, stride); break;
     default: break;
   }
 }
@@ -298,9 +307,10 @@ void pair_product(const bf16* x, int64_t M, int64_t K, const Blocks& blocks, con
   const int64_t count = N / kPairCols, groups = (count + kPairBlocks - 1) / kPairBlocks;
   // Only where two groups fit in L2 beside x, and for several rows: one row streams well without it (Zen 5:
   // 9728 x 896 at 8 rows 332-415 -> 211-346 us, at 32 724-768 -> 609-724, the LM head at 8 rows 6.2-7.2 -> 4.5-6.5
-  // ms; 896 x 4864, whose groups take 467 KB, slowed).
-  constexpr int64_t kPrefetchGroupBytes = 128 << 10;
-  const bool prefetch = stored && M > 1 && kPairBlocks * K * kPairCols * int64_t(sizeof(bf16)) <= kPrefetchGroupBytes;
+  // ms; 896 x 4864, whose groups take 467 KB, slowed at 1-8 rows). Where the requests are spread over three tiles
+  // or more (pair_row_tiles), such groups gain too: 896 x 4864 at 32 rows, 24 layers, 9.4-10.1 -> 8.3-8.6 ms.
+  const int64_t group_bytes = kPairBlocks * K * kPairCols * int64_t(sizeof(bf16));
+  const bool prefetch = stored && M > 1 && group_bytes <= (M >= kPairBlocks * kPairRows ? 512 << 10 : 128 << 10);
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t first = g * kPairBlocks, nb = std::min(kPairBlocks, count - first);
