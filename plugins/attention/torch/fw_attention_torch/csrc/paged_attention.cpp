@@ -200,6 +200,10 @@ inline bool bf16_scores(const at::BFloat16* q, const at::BFloat16* kp, Slot slot
     const int64_t count = std::min<int64_t>(16, len - t);
     const at::BFloat16* rows[16];
     for (int i = 0; i < 16; ++i) rows[i] = kp + (slot(t + std::min<int64_t>(i, count - 1)) * kv_heads + g) * head_size;
+    for (int64_t i = t + 16; i < std::min(len, t + 32); ++i) {  // the next tile's rows (see weigh_values)
+      const char* row = reinterpret_cast<const char*>(kp + (slot(i) * kv_heads + g) * head_size);
+      for (int64_t b = 0; b < head_size * 2; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    }
     for (int64_t c = 0; c < chunks; ++c) {
       __m512i* cols = tile + 16 * c;
       for (int i = 0; i < 16; ++i) cols[i] = _mm512_loadu_si512(rows[i] + 32 * c);
@@ -237,10 +241,18 @@ void weigh_values(const float* s, int64_t n, const PagedRows& rows, int64_t firs
   __m512 acc[HP][P];
   for (int h = 0; h < HP; ++h)
     for (int k = 0; k < P; ++k) acc[h][k] = _mm512_setzero_ps();
+  // Rows kAhead positions on are requested as each is read: a request's blocks lie anywhere in the cache, and the
+  // hardware prefetchers start cold at each.
+  constexpr int64_t kAhead = 16;
   for (int64_t t = first; t < len;) {
     const int64_t block = t / rows.block_size, stop = std::min(len, (block + 1) * rows.block_size);
     const fw::bf16* v = rows.base + (int64_t(rows.table[block]) * rows.block_size + t % rows.block_size) * rows.stride;
+    const bool last = stop == len;
+    const fw::bf16* next = rows.base + int64_t(rows.table[last ? block : block + 1]) * rows.block_size * rows.stride;
     for (; t < stop; ++t, v += rows.stride) {
+      const int64_t beyond = t + kAhead - stop;  // the row kAhead on lies this far into the next block
+      const fw::bf16* ahead = beyond < 0 ? v + kAhead * rows.stride : next + beyond * rows.stride;
+      for (int k = 0; k < P; k += 2) _mm_prefetch(reinterpret_cast<const char*>(ahead + 16 * k), _MM_HINT_T0);
       __m512 x[P];
       for (int k = 0; k < P; ++k) x[k] = fw::load_bf16x16(v + 16 * k);
       for (int h = 0; h < HP; ++h) {
