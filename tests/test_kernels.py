@@ -16,6 +16,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from conftest import wait_until
+from fw import decode_graph
 from fw.interfaces.attention import AttentionLayerSpec
 from fw.sdk import dense, kernels, native
 from fw_attention_torch import backend as torch_attention
@@ -40,7 +41,8 @@ def cache(tmp_path, monkeypatch):
 class _Fake:
     """An operation whose candidates take fixed, fake times per row count, and count how often they run."""
 
-    def __init__(self, monkeypatch, times: dict[str, dict[int, float]], layouts: dict[str, str] | None = None):
+    def __init__(self, monkeypatch, times: dict[str, dict[int, float]], layouts: dict[str, str] | None = None,
+                 untraceable: tuple[str, ...] = ()):
         self.op = kernels.Operation(f"test.fake{id(self)}", reference="a", rows=(1, 32))
         self.runs = dict.fromkeys(times, 0)
         self.prepared: list[str] = []
@@ -48,7 +50,8 @@ class _Fake:
         for name in times:
             self.op.register(kernels.Candidate(
                 name, run=lambda state, x, name=name: self._run(name, x), layout=layouts.get(name, "plain"),
-                prepare=lambda w, name=name: self.prepared.append(name) or f"{w}:{layouts.get(name, 'plain')}"))
+                prepare=lambda w, name=name: self.prepared.append(name) or f"{w}:{layouts.get(name, 'plain')}",
+                traceable=name not in untraceable))
         self.times, self.clock = times, [0.0]
         monkeypatch.setattr(kernels, "_clock", lambda: self.clock[0])
 
@@ -233,6 +236,18 @@ def test_a_second_layout_is_kept_only_where_it_pays(cache, monkeypatch):
     fake = _Fake(monkeypatch, {"a": {1: 1.0, 32: 2.0}, "b": {1: 2.0, 32: 1.0}}, layouts={"b": "packed"})
     selection = fake.select(("k2",))
     assert selection.names == ("a", "b") and selection.states == ["w:plain", "w:packed"]
+
+
+def test_a_candidate_a_captured_step_cannot_hold_must_be_far_faster_where_steps_are_captured(cache, monkeypatch):
+    # b (oneDNN's prepacked weight, say) is 1.2x faster at 1 row, where decode steps are captured: a captured step
+    # beats it, so a runs there; at 32 rows steps run eagerly and b's speed counts as any other's
+    fake = _Fake(monkeypatch, {"a": {1: 1.2, 32: 1.2}, "b": {1: 1.0, 32: 1.0}}, untraceable=("b",))
+    assert kernels.CAPTURED_ROWS == decode_graph.MAX_BATCH and 1 <= kernels.CAPTURED_ROWS < 32
+    assert fake.select().names == ("a", "b")
+    # 2x faster: worth a step run eagerly
+    fake = _Fake(monkeypatch, {"a": {1: 2.0, 32: 1.2}, "b": {1: 1.0, 32: 1.0}}, untraceable=("b",))
+    assert fake.select(("k2",)).names == ("b", "b")
+    assert not dense.LINEAR.candidates["onednn"].traceable and dense.LINEAR.candidates["fw"].traceable
 
 
 def test_a_far_slower_candidate_is_timed_once(cache, monkeypatch):

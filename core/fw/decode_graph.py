@@ -14,8 +14,9 @@ A graph is right only if the step's ops depend on nothing but those inputs. Thre
   the tracer cannot record.
 - A new graph's first replay runs beside the eager step, and the two must give the same logits, bit for bit.
 After a failure every decode step runs eagerly, with one warning (the next size would fail alike), except when the
-tracer cannot record an op: kernel choice picks kernels per row count (oneDNN's prepacked weights, which a trace
-cannot hold, may time fastest at some), so only that shape stays eager, and the others still replay.
+tracer cannot record an op: kernel choice picks kernels per row count, and a candidate a trace cannot hold (oneDNN's
+prepacked weights) is chosen at the captured sizes only where it times far faster (``fw.sdk.kernels.CAPTURED_ROWS``),
+so only that shape stays eager, and the others still replay.
 ``--enforce-eager`` turns capturing off.
 """
 
@@ -31,6 +32,7 @@ import torch
 
 from fw.forward_context import set_forward_context
 from fw.interfaces.attention import GRAPH_MAX_QUERY_LEN, AttentionBatch
+from fw.sdk import kernels
 
 if TYPE_CHECKING:
     from fw.model_runner import ModelRunner
@@ -41,7 +43,7 @@ logger = logging.getLogger(__name__)
 # for SmolLM2's 30 layers) and a step run twice, and pays off after ~30 replays. SmolLM2-135M Q4_1 on two Zen 3
 # cores, ms a step eager -> replayed: 1 request 28.1 -> 17.4, 8: 66.2 -> 50.9, 16: 114 -> 104, 32: 198 -> 189.
 # Above 8 the saving is a few percent, while a burst's shrinking batch would capture many sizes it replays rarely.
-MAX_BATCH = 8
+MAX_BATCH = kernels.CAPTURED_ROWS
 # Graphs kept at most: with speculative decoding a batch's token count varies with its drafts (one graph each).
 MAX_GRAPHS = 32
 

@@ -12,7 +12,8 @@ a shape times (``benchmarks/RESULTS.md`` has the numbers per CPU):
   32 rows: the Qwen2-0.5B MLP's 9728 x 896 in 0.60 ms against oneDNN's 0.79 and
   ``fw``'s 2.9; its LM head 12.3 ms against ``fw``'s 52 (oneDNN 16, in bf16).
 - ``onednn``: oneDNN's own prepacked layout (AMX where the CPU has it). A traced
-  decode step cannot hold its prepacked weight (``fw.decode_graph``).
+  decode step cannot hold its prepacked weight (``fw.decode_graph``), so at the
+  sizes steps are captured it must time 1.25x faster (``kernels.CAPTURED_ROWS``).
 - ``fw-plain``: fw's kernel for CPUs without AVX512-BF16 (``plain_linear`` in
   ``fw/csrc/dense.cpp``: AVX2 + FMA, portable code elsewhere) on the plain
   weight, no second copy. Decode is memory-bound: it streams each weight row
@@ -124,7 +125,8 @@ LINEAR.register(kernels.Candidate(
     "fw-amx", _flat(lambda w, x, b=None: torch.ops.fw_dense.amx_linear(x, w, b)), _fw_tiles, "fw-tiles", _has_amx))
 LINEAR.register(kernels.Candidate(
     "onednn", lambda w, x, b=None: torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, b, "none", [], ""),
-    lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 1), "onednn", _has_onednn))
+    lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 1), "onednn", _has_onednn,
+    traceable=False))
 LINEAR.register(kernels.Candidate(
     "fw-plain", _flat(lambda w, x, b=None: torch.ops.fw_dense.plain_linear(x, w, b)), supports=_has_native))
 LINEAR.register(kernels.Candidate(

@@ -60,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 ROWS = (1, 8, 32, 256)  # rows of x the candidates are timed on: decode, small batch, batch, prefill chunk
 LAYOUT_GAIN = 1.25  # a second weight layout must be this much faster for its row class
+# Decode steps of up to this many rows are captured and replayed without Python (fw.decode_graph, which says why 8):
+# in those row classes a candidate a trace cannot hold must be LAYOUT_GAIN faster, as the step would run eagerly.
+CAPTURED_ROWS = 8
 MEASURE_S = 0.02  # time per candidate and row class (at least one call, at most MAX_CALLS)
 MAX_CALLS = 5
 SLOWER_CUTOFF = 3.0  # a candidate this much slower than the best on its first call is not timed again
@@ -87,7 +90,8 @@ class Candidate:
 
     ``supports(key)`` says whether it runs the shape (and dtype, device) ``key`` on this machine;
     ``prepare(weight)`` builds what ``run(state, x, *args)`` reads, once per layer; candidates with the
-    same ``layout`` share that state.
+    same ``layout`` share that state. ``traceable=False``: a captured decode step (``torch.jit.trace``) cannot
+    hold its state (an opaque tensor, such as oneDNN's prepacked weight).
     """
 
     name: str
@@ -95,6 +99,7 @@ class Candidate:
     prepare: Callable[[Any], Any] = _identity
     layout: str = "plain"
     supports: Callable[[tuple], bool] = _always
+    traceable: bool = True
 
 
 @dataclass
@@ -210,7 +215,7 @@ class Operation:
         with torch.inference_mode():
             times = [_race({n: functools.partial(c.run, states[c.layout], *sample(rows)) for n, c in usable.items()})
                      for rows in self.rows]
-        names = _fewest_layouts(times, usable)
+        names = _fewest_layouts(times, usable, self.rows)
         logger.debug("%s %s: chose %s (%s)", self.name, key, "/".join(names), "; ".join(
             f"{r} rows: " + ", ".join(f"{n} {t * 1e6:.0f} us" for n, t in sorted(ts.items(), key=lambda i: i[1]))
             for r, ts in zip(self.rows, times, strict=True)))
@@ -326,12 +331,16 @@ def _others_share(before: tuple[int, int, float] | None, after: tuple[int, int, 
     return max(0.0, (after[0] - before[0] - ours) / (after[1] - before[1]))
 
 
-def _fewest_layouts(times: list[dict[str, float]], usable: dict[str, Candidate]) -> tuple[str, ...]:
+def _fewest_layouts(times: list[dict[str, float]], usable: dict[str, Candidate], rows: Sequence[int]) -> tuple[str, ...]:
     """Per row class the fastest candidate, but within the layouts already kept unless another is
-    ``LAYOUT_GAIN`` times faster. The decode class (first) chooses freely: it runs most steps."""
+    ``LAYOUT_GAIN`` times faster. The decode class (first) chooses freely: it runs most steps. Up to
+    ``CAPTURED_ROWS`` rows, among the traceable candidates unless another is ``LAYOUT_GAIN`` times faster."""
     kept: set[str] = set()
     names = []
-    for row_times in times:
+    for count, row_times in zip(rows, times, strict=True):
+        traceable = {n: t for n, t in row_times.items() if usable[n].traceable}
+        if count <= CAPTURED_ROWS and traceable and min(traceable.values()) <= LAYOUT_GAIN * min(row_times.values()):
+            row_times = traceable
         fastest = min(row_times, key=row_times.__getitem__)
         in_kept = [n for n in row_times if usable[n].layout in kept]
         if in_kept:
