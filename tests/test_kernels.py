@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -147,7 +148,7 @@ def test_the_choices_of_a_phase_are_one_info_line(cache, monkeypatch, caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.INFO]  # all from the cache: nothing to say
 
 
-def test_a_choice_made_while_native_kernels_build_is_made_again_when_they_land(cache, monkeypatch, tmp_path):
+def test_a_choice_made_while_native_kernels_build_is_made_again_when_they_land(cache, monkeypatch, tmp_path, request):
     monkeypatch.setenv("FW_NATIVE", "1")
     monkeypatch.setenv("FW_NATIVE_BUILD", "background")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
@@ -157,11 +158,15 @@ def test_a_choice_made_while_native_kernels_build_is_made_again_when_they_land(c
     fake = _Fake(monkeypatch, {"slow": {1: 9.0, 32: 9.0}, "native": {1: 1.0, 32: 1.0}})
     fake.op.candidates["native"] = dataclasses.replace(
         fake.op.candidates["native"], supports=lambda key: native.load("fw_test_background", source))
+    request.addfinalizer(functools.partial(torch.set_num_threads, torch.get_num_threads()))
+    torch.set_num_threads(3)
     layers = [fake.select(), fake.select()]  # two layers of one shape
     assert [s.names for s in layers] == [("slow", "slow")] * 2 and native.building() == ["fw_test_background"]
+    assert torch.get_num_threads() == 2 and native.threads() == 3  # the compiler has a core meanwhile
     assert not cache.exists()  # a choice made without a candidate that builds is not worth keeping
     wait_until(kernels.refresh, timeout=300)  # the engine asks between steps
     assert [s.names for s in layers] == [("native", "native")] * 2 and not native.building()
+    assert torch.get_num_threads() == 3  # all back, before the kernels that landed were timed
     assert fake.runs["native"] == 2 * 2  # both layers' shape timed once: a warm-up and a call per row class
     assert not kernels.refresh()  # nothing more to land
     (entry,) = json.loads(cache.read_text())["machines"].values()

@@ -387,7 +387,7 @@ def machine() -> dict[str, Any]:
     """What a kernel's speed depends on besides the shape: the cache key and ``fw bench``'s header."""
     model, flags = _cpu()
     # The installed distribution's version: the SDK reads nothing of fw outside itself and the interfaces.
-    return {"cpu": model, "flags": flags, "threads": torch.get_num_threads(), "torch": torch.__version__,
+    return {"cpu": model, "flags": flags, "threads": native.threads(), "torch": torch.__version__,
             "fw": importlib.metadata.version("fw-core")}
 
 

@@ -15,9 +15,10 @@ keeps a pure-torch path, which is also the reference its tests compare with.
 
 With ``FW_NATIVE_BUILD=background`` (``fw serve`` sets it: a first start should
 answer within seconds, not wait for compilers) a library not built yet builds
-in a child process while ``load`` says False, so the torch paths serve; the
-engine calls ``poll`` between steps, which loads what has been built since, and
-kernel choice then times the new candidates (``fw.sdk.kernels.refresh``).
+in a child process while ``load`` says False, so the torch paths serve, on the
+cores the builds leave until they have landed; the engine calls ``poll`` between steps,
+which loads what has been built since, and kernel choice then times the new
+candidates (``fw.sdk.kernels.refresh``).
 Shared helpers for kernels live in ``fw/csrc/fw_cpu.h``, on every build's include path.
 """
 
@@ -56,6 +57,24 @@ class _Build:
 
 
 _building: dict[str, _Build] = {}
+# torch's configured thread count while background builds run (None: none runs). Meanwhile torch keeps to the cores
+# the compilers leave, one at least: each parallel region waits for every one of its threads to get a core (a first
+# `fw serve` of the default model on two cores answered the README's question after 20-31 s at two threads, 9-10 s
+# at one).
+_threads: int | None = None
+
+
+def _fit_threads() -> None:
+    global _threads
+    import torch
+
+    if _building:
+        if _threads is None:
+            _threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, _threads - len(_building)))
+    elif _threads is not None:
+        torch.set_num_threads(_threads)
+        _threads = None
 
 
 def builds() -> dict[str, str]:
@@ -103,6 +122,13 @@ def load(name: str, source: Path) -> bool:
     return usable
 
 
+def threads() -> int:
+    """torch's thread count as configured, also while background builds hold it lower."""
+    import torch
+
+    return _threads if _threads is not None else torch.get_num_threads()
+
+
 def building() -> list[str]:
     """The libraries building in the background now."""
     return list(_building)
@@ -128,6 +154,7 @@ def poll() -> list[str]:
         if _loaded[name]:
             landed.append(name)
             logger.info("native kernels %s built in the background: in use from now on", name)
+    _fit_threads()  # before the caller times the kernels that landed
     return landed
 
 
@@ -156,6 +183,7 @@ def _start_build(name: str, source: Path) -> None:
     _building[name] = _Build(source, process, log)
     logger.info("native kernels %s: building in the background (%s); the torch path serves until then", name,
                 source.name)
+    _fit_threads()
 
 
 def _load(name: str, source: Path) -> bool:
