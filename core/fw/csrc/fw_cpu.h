@@ -230,6 +230,8 @@ constexpr int64_t kPairCols = 16;
 
 #if defined(__AVX512BF16__)
 constexpr int64_t kPairBlocks = 3, kPairRows = 8;  // a register tile: column blocks x rows
+// From this many rows of x on, three tiles share the requests for the next group's lines (pair_row_tiles).
+constexpr int64_t kSpreadRows = kPairBlocks * kPairRows;
 
 inline void store16(bf16* y, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v)); }
 inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
@@ -273,7 +275,7 @@ inline void pair_tile(const bf16* x, int64_t ldx, const bf16* w, int64_t K, cons
 template <int NB, typename Out>
 void pair_row_tiles(const bf16* x, int64_t M, int64_t K, const bf16* w, const float* bias, const float* scale, Out* y,
                     int64_t N, const bf16* ahead) {
-  const bool spread = M >= kPairBlocks * kPairRows;  // as pair_product's bound
+  const bool spread = M >= kSpreadRows;
   const int64_t block = K * kPairCols, stride = spread ? 0 : block;
   auto tile_ahead = [&](int64_t tile) {
     return ahead && tile < (spread ? kPairBlocks : 1) ? ahead + tile * block : nullptr;
@@ -310,7 +312,7 @@ void pair_product(const bf16* x, int64_t M, int64_t K, const Blocks& blocks, con
   // ms; 896 x 4864, whose groups take 467 KB, slowed at 1-8 rows). Where the requests are spread over three tiles
   // or more (pair_row_tiles), such groups gain too: 896 x 4864 at 32 rows, 24 layers, 9.4-10.1 -> 8.3-8.6 ms.
   const int64_t group_bytes = kPairBlocks * K * kPairCols * int64_t(sizeof(bf16));
-  const bool prefetch = stored && M > 1 && group_bytes <= (M >= kPairBlocks * kPairRows ? 512 << 10 : 128 << 10);
+  const bool prefetch = stored && M > 1 && group_bytes <= (M >= kSpreadRows ? 512 << 10 : 128 << 10);
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t first = g * kPairBlocks, nb = std::min(kPairBlocks, count - first);

@@ -16,9 +16,9 @@ keeps a pure-torch path, which is also the reference its tests compare with.
 With ``FW_NATIVE_BUILD=background`` (``fw serve`` sets it: a first start should
 answer within seconds, not wait for compilers) a library not built yet builds
 in a child process while ``load`` says False, so the torch paths serve, on the
-cores the builds leave until they have landed; the engine calls ``poll`` between steps,
-which loads what has been built since, and kernel choice then times the new
-candidates (``fw.sdk.kernels.refresh``).
+cores the builds leave until they have landed; the engine calls ``poll``
+between steps, which loads what has been built since, and kernel choice then
+times the new candidates (``fw.sdk.kernels.refresh``).
 Shared helpers for kernels live in ``fw/csrc/fw_cpu.h``, on every build's include path.
 """
 
