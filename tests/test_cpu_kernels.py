@@ -223,6 +223,28 @@ def test_native_argmax_picks_torchs_index(layer_kernels, vocab):
     assert layer_kernels.argmax(logits[:0]).shape == (0,)
 
 
+@pytest.mark.parametrize("vocab", [151936, 3005, 7])  # blocks of 1024 and a short last one; a tail alone
+def test_native_draw_takes_the_token_the_torch_rule_takes(layer_kernels, monkeypatch, vocab):
+    """Temperature sampling's draw, native and in torch ops, on the same uniforms: the same tokens."""
+    from fw.sdk.sampler import draw
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(48, vocab, generator=gen) * 4
+    logits[1, : vocab // 2] = float("-inf")  # a truncation's or a grammar's mask
+    logits[2, :-1] = float("-inf")  # one token left: the last
+    logits[3, vocab // 3] = 60  # nearly all the mass on one token
+    temperature = torch.rand(48, generator=gen) + 0.2
+
+    def run():  # every row seeded: the uniforms are the same in both runs
+        return draw(logits, temperature, [torch.Generator().manual_seed(i) for i in range(48)])
+
+    fast, reference = run(), _torch_path(monkeypatch, layer_kernels, run)
+    assert torch.equal(fast, reference)
+    assert fast[1] >= vocab // 2 and fast[2] == vocab - 1 and fast[3] == vocab // 3
+    logits[5, 0] = float("nan")  # the kernel leaves such a row to torch; the others still get tokens
+    assert draw(logits, temperature, [None] * 48).shape == (48,)
+
+
 def test_each_version_of_a_kernel_source_builds_in_its_own_folder(tmp_path, monkeypatch):
     """Two installs of fw on one machine (or a checkout beside an installed copy) never share a build."""
     from fw.sdk import native

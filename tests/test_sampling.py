@@ -46,11 +46,17 @@ def chi_square_ok(counts: torch.Tensor, expected_probs: torch.Tensor) -> bool:
     return stat < critical
 
 
-def sample_counts(params: SamplingParams) -> torch.Tensor:
+def sample_counts(params: SamplingParams, at: list[int] | None = None, vocab: int = 6) -> torch.Tensor:
+    """Counts of N draws from PROBS over a vocabulary of ``vocab``, the 6 tokens at ``at`` (all others masked)."""
     torch.manual_seed(0)
-    logits = PROBS.log().expand(N, -1).contiguous()
-    out = DefaultSampler().sample(logits, batch_of([params] * N))
-    return torch.bincount(out.token_ids, minlength=6).float()
+    at = at or list(range(6))
+    logits = torch.full((vocab,), float("-inf"))
+    logits[at] = PROBS.log()
+    chunk = max(1, 2**22 // vocab)  # a few MB of logits a call
+    tokens = torch.cat([DefaultSampler().sample(logits.expand(n, -1).contiguous(), batch_of([params] * n)).token_ids
+                        for n in [chunk] * (N // chunk) + [N % chunk]])
+    assert torch.isin(tokens, torch.tensor(at)).all()  # a masked token drawn
+    return torch.bincount(tokens, minlength=vocab).float()[at]
 
 
 def renorm(p: torch.Tensor) -> torch.Tensor:
@@ -74,6 +80,14 @@ def renorm(p: torch.Tensor) -> torch.Tensor:
 )
 def test_sampling_distributions(params, expected):
     assert chi_square_ok(sample_counts(params), expected)
+
+
+def test_sampling_distribution_over_a_large_vocabulary():
+    """The six tokens spread over blocks of the native draw (1024 logits each, the last one short): each block's
+    mass counts, masked tokens are never drawn."""
+    at, vocab = [5, 1023, 1024, 2047, 2048, 3004], 3005
+    assert chi_square_ok(sample_counts(SamplingParams(temperature=1.0), at, vocab), PROBS)
+    assert chi_square_ok(sample_counts(SamplingParams(temperature=0.5), at, vocab), renorm(PROBS**2))
 
 
 def test_chi_square_would_catch_a_wrong_distribution():
