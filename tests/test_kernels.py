@@ -265,7 +265,9 @@ def test_a_far_slower_candidate_is_timed_once(cache, monkeypatch):
 # Every operation's example weights and inputs: a new operation must add its own here.
 def _dense_examples(op):
     gen = torch.Generator().manual_seed(0)
-    for out_features, in_features in ((96, 64), (100, 64), (64, 130)):
+    # Column blocks of 16 split between threads, each taking its own in threes: 6, 7 (4 + 3: two and two, three) and
+    # 11 (6 + 5) blocks; 100 outputs fit no block.
+    for out_features, in_features in ((96, 64), (112, 64), (176, 64), (100, 64), (64, 130)):
         w = (0.1 * torch.randn(out_features, in_features, generator=gen)).bfloat16()
         bias = torch.randn(out_features, generator=gen).bfloat16()
         yield w, (lambda rows, n=in_features: (torch.randn(rows, n, generator=gen).bfloat16(),)), (bias,)
