@@ -43,8 +43,8 @@ class _Fake:
     """An operation whose candidates take fixed, fake times per row count, and count how often they run."""
 
     def __init__(self, monkeypatch, times: dict[str, dict[int, float]], layouts: dict[str, str] | None = None,
-                 untraceable: tuple[str, ...] = ()):
-        self.op = kernels.Operation(f"test.fake{id(self)}", reference="a", rows=(1, 32))
+                 untraceable: tuple[str, ...] = (), rows: tuple[int, ...] = (1, 32)):
+        self.op = kernels.Operation(f"test.fake{id(self)}", reference="a", rows=rows)
         self.runs = dict.fromkeys(times, 0)
         self.prepared: list[str] = []
         layouts = layouts or {}
@@ -244,14 +244,16 @@ def test_a_second_layout_is_kept_only_where_it_pays(cache, monkeypatch):
 
 
 def test_a_candidate_a_captured_step_cannot_hold_must_be_far_faster_where_steps_are_captured(cache, monkeypatch):
-    # b (oneDNN's prepacked weight, say) is 1.2x faster at 1 row, where decode steps are captured: a captured step
-    # beats it, so a runs there; at 32 rows steps run eagerly and b's speed counts as any other's
-    fake = _Fake(monkeypatch, {"a": {1: 1.2, 32: 1.2}, "b": {1: 1.0, 32: 1.0}}, untraceable=("b",))
-    assert kernels.CAPTURED_ROWS == decode_graph.MAX_BATCH and 1 <= kernels.CAPTURED_ROWS < 32
-    assert fake.select().names == ("a", "b")
-    # 2x faster: worth a step run eagerly
-    fake = _Fake(monkeypatch, {"a": {1: 2.0, 32: 1.2}, "b": {1: 1.0, 32: 1.0}}, untraceable=("b",))
-    assert fake.select(("k2",)).names == ("b", "b")
+    # b (oneDNN's prepacked weight, say) is 1.2x faster at 1 and 32 rows, where decode steps are captured: a captured
+    # step beats it, so a runs there; at 256 rows (prompts) steps run eagerly and b's speed counts as any other's
+    times = {"a": {1: 1.2, 32: 1.2, 256: 1.2}, "b": {1: 1.0, 32: 1.0, 256: 1.0}}
+    fake = _Fake(monkeypatch, times, untraceable=("b",), rows=(1, 32, 256))
+    assert kernels.CAPTURED_ROWS == decode_graph.MAX_BATCH and 32 <= kernels.CAPTURED_ROWS < 256
+    assert fake.select().names == ("a", "a", "b")
+    # 2x faster at 1 row: worth a step run eagerly there, not at 32 rows
+    times = {"a": {1: 2.0, 32: 1.2, 256: 1.2}, "b": {1: 1.0, 32: 1.0, 256: 1.0}}
+    fake = _Fake(monkeypatch, times, untraceable=("b",), rows=(1, 32, 256))
+    assert fake.select(("k2",)).names == ("b", "a", "b")
     assert not dense.LINEAR.candidates["onednn"].traceable and dense.LINEAR.candidates["fw"].traceable
 
 

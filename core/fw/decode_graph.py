@@ -39,11 +39,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Steps of up to this many requests are captured, each size when it first recurs. A capture costs a trace (0.3 s
-# for SmolLM2's 30 layers) and a step run twice, and pays off after ~30 replays. SmolLM2-135M Q4_1 on two Zen 3
-# cores, ms a step eager -> replayed: 1 request 28.1 -> 17.4, 8: 66.2 -> 50.9, 16: 114 -> 104, 32: 198 -> 189.
-# Above 8 the saving is a few percent, while a burst's shrinking batch would capture many sizes it replays rarely.
+# Steps of up to this many requests are captured. A capture costs a trace and a step run twice (0.27 s for
+# Qwen2-0.5B's 24 layers at 1-32 requests on two Zen 5 cores), and a replay saves the step's Python: SmolLM2-135M
+# Q4_1 on two Zen 3 cores, ms a step eager -> replayed: 1 request 28.1 -> 17.4, 8: 66.2 -> 50.9; bf16 Qwen2-0.5B
+# on Zen 5, eager and replayed steps in turns: 16 requests 70.7 -> 64.2, 32: 64.1 -> 56.9 and 57.8 -> 52.4.
 MAX_BATCH = kernels.CAPTURED_ROWS
+# Sizes up to SMALL_BATCH are captured when they first recur: their capture pays off within ~30 replays. Larger ones
+# need ~45 at 6 ms a replay, while a burst's shrinking batch passes through sizes it runs only a few steps each: they
+# are captured once they have run LARGE_RECURRENCE steps (a server's steady load, a batch job's many same steps).
+SMALL_BATCH = 8
+LARGE_RECURRENCE = 32
 # Graphs kept at most: with speculative decoding a batch's token count varies with its drafts (one graph each).
 MAX_GRAPHS = 32
 
@@ -51,18 +56,19 @@ MAX_GRAPHS = 32
 # forever. Booleans and integers are left out: the tracer reports sizes that way too, and a graph is per size.
 _DATA_DEPENDENT = r"Converting a tensor to a Python (number|float|list)"
 
-_SEEN, _CHECK, _READY, _EAGER = "seen", "check", "ready", "eager"
+_CHECK, _READY, _EAGER = "check", "ready", "eager"
 
 
 Shape = tuple[int, int]  # (requests, tokens) of a step
 
 
 class DecodeGraphs:
-    """Per shape (requests, tokens): a first step runs eagerly (it makes the kernel choices), the second is traced,
-    the third is checked against eager; later ones replay."""
+    """Per shape (requests, tokens): steps run eagerly until the shape recurs (the first makes the kernel choices),
+    the next is traced, the one after checked against eager; later ones replay."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        self._seen: dict[Shape, int] = {}  # eager steps per shape not captured yet
         self._state: dict[Shape, str] = {}
         self._graphs: dict[Shape, Callable[..., torch.Tensor]] = {}
         self.replayed: dict[Shape, int] = {}  # steps replayed, per shape
@@ -71,6 +77,7 @@ class DecodeGraphs:
 
     def reset(self) -> None:
         """Forgets every graph, and why capturing stopped: the kernels changed (``fw.sdk.kernels.refresh``)."""
+        self._seen.clear()
         self._state.clear()
         self._graphs.clear()
         self.untraced.clear()
@@ -80,20 +87,21 @@ class DecodeGraphs:
         """The float32 logits of a step whose every token is sampled, one row per token; None when the step should
         run eagerly."""
         size = (batch.num_reqs, len(input_ids))
-        if (self.off or batch.max_query_len > GRAPH_MAX_QUERY_LEN or batch.num_reqs > MAX_BATCH
-                or (size not in self._state and len(self._state) >= MAX_GRAPHS)):
+        if self.off or batch.max_query_len > GRAPH_MAX_QUERY_LEN or batch.num_reqs > MAX_BATCH:
             return None
         inputs = (input_ids, positions, batch.query_start_loc, batch.seq_lens, batch.block_tables, batch.slot_mapping)
         state = self._state.get(size)
         if state == _READY:
             self.replayed[size] = self.replayed.get(size, 0) + 1
             return self._replay(size, inputs)
-        if state is None:
-            self._state[size] = _SEEN
-            return None
         if state == _EAGER:
             return None
-        if state == _SEEN:
+        if state is None:
+            seen = self._seen.get(size, 0)
+            if seen < (1 if size[0] <= SMALL_BATCH else LARGE_RECURRENCE) or len(self._graphs) >= MAX_GRAPHS:
+                self._seen[size] = seen + 1
+                return None
+            del self._seen[size]
             if not self.runner.attention.supports_decode_graphs():
                 self._stop(f"the attention backend {type(self.runner.attention).__name__} does not support them",
                            logging.INFO)

@@ -60,9 +60,9 @@ logger = logging.getLogger(__name__)
 
 ROWS = (1, 8, 32, 256)  # rows of x the candidates are timed on: decode, small batch, batch, prefill chunk
 LAYOUT_GAIN = 1.25  # a second weight layout must be this much faster for its row class
-# Decode steps of up to this many rows are captured and replayed without Python (fw.decode_graph, which says why 8):
+# Decode steps of up to this many rows are captured and replayed without Python (fw.decode_graph, which says when):
 # in those row classes a candidate a trace cannot hold must be LAYOUT_GAIN faster, as the step would run eagerly.
-CAPTURED_ROWS = 8
+CAPTURED_ROWS = 32
 MEASURE_S = 0.02  # time per candidate and row class (at least one call, at most MAX_CALLS)
 MAX_CALLS = 5
 SLOWER_CUTOFF = 3.0  # a candidate this much slower than the best on its first call is not timed again

@@ -288,7 +288,7 @@ class AttentionConformance(PluginConformance):
         for kv_cache_dtype in sorted(caps.kv_cache_dtypes):
             graphs = captured_against_eager(path, attention=self.plugin, kv_cache_dtype=kv_cache_dtype, dtype=dtype)
             if graphs.off is None:
-                assert graphs.replayed.keys() >= {(1, 1), (3, 3)}, f"{kv_cache_dtype}: untraced {graphs.untraced}"
+                assert_replayed(graphs, kv_cache_dtype)
             else:
                 assert graphs.replayed == {} and " does not support them" in graphs.off, f"{kv_cache_dtype}: {graphs.off}"
 
@@ -385,19 +385,33 @@ def decode_workload(llm: Any) -> tuple[list[list[int]], Any]:
     return tokens, llm.llm_engine.stats()
 
 
+def assert_replayed(graphs: Any, what: str) -> None:
+    """``decode_workload``'s steps of 1 and 3 requests replayed, and so did one of more than
+    ``decode_graph.SMALL_BATCH`` (or the tracer could not record it: a kernel a trace cannot hold at that size)."""
+    from fw import decode_graph
+
+    assert graphs.replayed.keys() >= {(1, 1), (3, 3)}, f"{what}: {graphs.replayed}, untraced {graphs.untraced}"
+    large = [size for size in {*graphs.replayed, *graphs.untraced} if size[0] > decode_graph.SMALL_BATCH]
+    assert large, f"{what}: no step of more than {decode_graph.SMALL_BATCH} requests was captured: {graphs.replayed}"
+
+
 def captured_against_eager(path: str | Path, **engine_args: Any) -> Any:
     """Runs ``decode_workload`` with captured decode steps and with ``enforce_eager``: the tokens must be equal
     (a replay repeats the eager step's kernels, so the math is the same), and both engines preempted and hit the
-    prefix cache. Returns the captured engine's ``DecodeGraphStats``: what replayed, what the tracer could not
-    record, and why capturing stopped, if it did."""
-    from fw import LLM
+    prefix cache. Sizes above ``decode_graph.SMALL_BATCH`` are captured as soon as they recur, as small ones are,
+    so that the workload's few steps of each replay too. Returns the captured engine's ``DecodeGraphStats``: what
+    replayed, what the tracer could not record, and why capturing stopped, if it did."""
+    from unittest import mock
+
+    from fw import LLM, decode_graph
 
     args = {"num_kv_blocks": 24, "block_size": 16, "max_model_len": 128, **engine_args}
     runs = []
     for eager in (False, True):
         llm = LLM(str(path), enforce_eager=eager, **args)
         try:
-            runs.append(decode_workload(llm))
+            with mock.patch.object(decode_graph, "LARGE_RECURRENCE", 1):
+                runs.append(decode_workload(llm))
         finally:
             llm.shutdown()
     (tokens, stats), (eager_tokens, eager_stats) = runs
@@ -494,7 +508,7 @@ class QuantConformance(PluginConformance):
                 uncaptured = graphs.off  # not the plugin's doing: the tokens were still checked
                 continue
             assert graphs.off is None, f"{fmt}: capturing stopped: {graphs.off}"
-            assert graphs.replayed.keys() >= {(1, 1), (3, 3)}, f"{fmt}: {graphs.replayed}, untraced {graphs.untraced}"
+            assert_replayed(graphs, fmt)
         if uncaptured:
             pytest.skip(f"no decode step was captured on this machine ({uncaptured}): only the tokens were checked")
 
