@@ -11,7 +11,13 @@ from fw import LLM, SamplingParams
 from fw.detokenizer import IncrementalDetokenizer
 from fw.engine import EngineError
 from fw.interfaces.sampler import SamplingBatch
-from fw.sdk.sampler import DefaultSampler, apply_logit_bias_and_min_tokens, apply_penalties
+from fw.sdk import sampler
+from fw.sdk.sampler import (
+    DefaultSampler,
+    apply_logit_bias_and_min_tokens,
+    apply_penalties,
+    apply_top_k_top_p_min_p,
+)
 from fw.sdk.sampling_params import SamplingParamsError
 from fw.sdk.tokenizer import Tokenizer
 from fw.testing.models import make_tiny_model
@@ -92,6 +98,37 @@ def test_sampling_distribution_over_a_large_vocabulary():
 
 def test_chi_square_would_catch_a_wrong_distribution():
     assert not chi_square_ok(sample_counts(SamplingParams(temperature=0.5)), PROBS)
+
+
+def _truncate_by_full_sort(logits, top_k, top_p, min_p):
+    """The truncation rule on a sort of the whole vocabulary, as vLLM states it."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    drop = torch.arange(vocab).expand_as(logits) >= torch.where(top_k > 0, top_k, vocab).unsqueeze(-1)
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    drop |= ((probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(-1)) & (top_p < 1).unsqueeze(-1)
+    drop |= probs < min_p.unsqueeze(-1) * probs[:, :1]
+    drop[:, 0] = False
+    return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def test_truncation_keeps_the_tokens_a_full_sort_keeps():
+    """Top-k, top-p and min-p sort only the largest logits (sampler.CANDIDATES) where a row's set ends among them;
+    rows whose set reaches past them (a flat distribution's nucleus, a top-k beyond them) are sorted whole."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 5000, 12
+    peaked = torch.randn(rows, vocab, generator=gen) * 4  # nuclei of a few to a few hundred tokens
+    logits = torch.cat([peaked, torch.randn(rows, vocab, generator=gen) * 0.1])  # and of thousands
+    top_k = torch.tensor([0, 20, 0, 0, 50, 3000, 0, 1, 0, 7, 0, 0] * 2)
+    top_p = torch.tensor([0.9, 1.0, 0.5, 1.0, 0.8, 0.95, 0.99, 1.0, 1.0, 0.3, 1.0, 0.7] * 2)
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2] * 2)
+    temperature = torch.rand(2 * rows, generator=gen) + 0.5
+    fast = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p, temperature)
+    assert torch.equal(fast, _truncate_by_full_sort(logits / temperature.unsqueeze(-1), top_k, top_p, min_p))
+    kept = torch.isfinite(fast).sum(dim=-1)
+    assert kept[1] == 20 and kept[7] == 1 and kept[8] == vocab  # top-k; nothing asked: the row as it was
+    truncated = (top_k > 0) | (top_p < 1) | (min_p > 0)
+    assert kept[truncated].min() < sampler.CANDIDATES < kept[truncated].max()  # rows sorted whole, and not
 
 
 def test_greedy_takes_the_argmax():

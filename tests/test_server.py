@@ -256,13 +256,13 @@ def test_bench_serve_mixed_lengths(server, tmp_path):
 def test_offline_bench_commands(tiny, kind):
     args = ["--input-len", "8", "--output-len", "4", "--num-kv-blocks", "64", "--max-model-len", "64", "--json",
             "--dtype", "bfloat16"]  # bf16: the kernels are chosen by measurement (float32 stays on the reference)
-    args += ["--num-iters", "2"] + (["--num-prompts", "4"] if kind == "throughput" else [])
+    args += ["--num-iters", "2"] + (["--num-prompts", "4", "--temperature", "0.8"] if kind == "throughput" else [])
     result = subprocess.run([sys.executable, "-m", "fw_cli", "bench", kind, "--model", tiny, *args],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert (data["decode_tokens_per_s"] if kind == "latency" else data["output_tokens_per_s"]) > 0
-    assert data["iterations"] == 2
+    assert data["iterations"] == 2 and data["temperature"] == (0.8 if kind == "throughput" else 0.0)
     assert data["cpu"] and data["threads"] >= 1 and "cpu_flags" in data  # the numbers name their machine
     assert "dense.logits" in data["kernels"]  # and the kernels chosen on it
     key = "decode_tokens_per_s" if kind == "latency" else "output_tokens_per_s"

@@ -86,16 +86,24 @@ def _report(result: dict, as_json: bool, engine_here: bool = True, profile: dict
             click.echo(f"  {row['part']:<44} {row['ms_per_step']:>8.3f} {100 * row['share']:>6.1f}%")
 
 
+def _temperature(fn):
+    return click.option(
+        "--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+        help="Sampling temperature of every request; 0 is greedy, as the peers' scripts run (vLLM's own latency and "
+             "throughput benchmarks sample at 1.0).")(fn)
+
+
 @bench.command("throughput")
 @click.option("--num-prompts", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--num-iters", type=click.IntRange(min=1), default=1, show_default=True,
               help="Timed batches, after a short warm-up batch (medians and spreads over them).")
+@_temperature
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @config_options()
 def throughput(resolved: ResolvedConfig, num_prompts: int, input_len: int, output_len: int, num_iters: int,
-               as_json: bool) -> None:
+               temperature: float, as_json: bool) -> None:
     """N random-token requests at once, EOS ignored: requests/s and tokens/s."""
     from fw.sdk.sampling_params import SamplingParams
 
@@ -105,7 +113,7 @@ def throughput(resolved: ResolvedConfig, num_prompts: int, input_len: int, outpu
     batches = [prompts[i * num_prompts : (i + 1) * num_prompts] for i in range(num_iters + 1)]
 
     def run(batch: list[list[int]], max_tokens: int, bar=None) -> tuple[float, int]:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
         start, steps = time.perf_counter(), 0
         for prompt in batch:
             engine.add_request(prompt, params)
@@ -133,6 +141,7 @@ def throughput(resolved: ResolvedConfig, num_prompts: int, input_len: int, outpu
         {
             "requests": num_prompts,
             "iterations": num_iters,
+            "temperature": temperature,
             # The plain keys are medians over the iterations.
             "elapsed_s": statistics.median(elapsed),
             "requests_per_s": statistics.median(num_prompts / s for s in elapsed),
@@ -156,16 +165,17 @@ def throughput(resolved: ResolvedConfig, num_prompts: int, input_len: int, outpu
 @click.option("--profile", is_flag=True,
               help="Then decode one more batch with timers at the plugin boundaries and print where a decode step "
                    "goes: linear kernels per quant method, attention, LM head, sampling, Python (fw.engine.step_profile).")
+@_temperature
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @config_options()
 def latency(resolved: ResolvedConfig, input_len: int, output_len: int, batch_size: int, num_iters: int,
-            profile: bool, as_json: bool) -> None:
+            profile: bool, temperature: float, as_json: bool) -> None:
     """A batch at a time (one request by default): time to first token and time per output token (medians over
     iterations, after one that warms up)."""
     from fw.sdk.sampling_params import SamplingParams
 
     engine = _engine(resolved)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True)
     ttft, tpot = [], []
     # Different prompts each iteration, so the prefix cache does not flatter the first token.
     prompts = _random_prompts(engine, (num_iters + 1 + profile) * batch_size, input_len, resolved.config.model.seed)
@@ -186,6 +196,7 @@ def latency(resolved: ResolvedConfig, input_len: int, output_len: int, batch_siz
         {
             "iterations": num_iters,
             "batch_size": batch_size,
+            "temperature": temperature,
             "ttft_ms_median": 1000 * statistics.median(ttft),
             "tpot_ms_median": 1000 * statistics.median(tpot),
             "decode_tokens_per_s": batch_size / statistics.median(tpot),

@@ -76,21 +76,72 @@ def apply_logit_bias_and_min_tokens(logits: torch.Tensor, batch: SamplingBatch) 
     return logits
 
 
-def apply_top_k_top_p_min_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
-) -> torch.Tensor:
-    """Mask logits outside each row's top-k, nucleus and min-p set; k <= 0, p == 1, min_p == 0 leave a row alone."""
-    vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
-    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(-1)
-    drop = ranks >= k
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-    # Keep the smallest prefix whose mass reaches p: drop a token when the mass before it already does.
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(-1)
+# Truncation sorts the largest logits only: a row's top-k, or this many for a nucleus (top-p) or min-p set without
+# one; a row whose set reaches past them is sorted whole. A trained model's nucleus at p = 0.9 is tens to hundreds of
+# tokens. At 32 rows of a 152k vocabulary the full sort took 190 ms a step, topk(1024) 9 ms, topk(20) 2 ms.
+CANDIDATES = 1024
+
+
+def _truncate_sorted(values: torch.Tensor, log_norm: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                     min_p: torch.Tensor) -> torch.Tensor:
+    """Which of each row's largest logits ``values`` (sorted, descending) truncation drops: top-k's rank, top-p's
+    mass (probabilities ``exp(values - log_norm)``: the mass before a token already reaches p) and min-p's ratio
+    to the largest. The first always stays."""
+    ranks = torch.arange(values.shape[-1], device=values.device).expand_as(values)
+    drop = (top_k > 0).unsqueeze(-1) & (ranks >= top_k.unsqueeze(-1))
+    probs = (values - log_norm).exp().masked_fill(drop, 0.0)
+    drop |= ((probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(-1)) & (top_p < 1).unsqueeze(-1)
     drop |= probs < min_p.unsqueeze(-1) * probs[:, :1]
     drop[:, 0] = False
-    return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return drop
+
+
+def _log_normalizers(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``(logits / temperature).logsumexp(dim=-1, keepdim=True)``: in one native pass a row on the CPU."""
+    if native_ops.usable(logits) and logits.dtype == torch.float32 and logits.dim() == 2:
+        return torch.ops.fw_layers.log_normalizers(logits, temperature.float()).unsqueeze(-1)
+    return (logits / temperature.unsqueeze(-1)).logsumexp(dim=-1, keepdim=True)
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+    temperature: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``logits / temperature`` (default 1) with the logits outside each row's top-k, nucleus and min-p set masked;
+    k <= 0, p == 1, min_p == 0 leave a row alone. The probabilities top-p adds up are those within the top-k, if
+    any, else over the whole vocabulary. Only the candidates are divided (a positive temperature keeps the order)."""
+    rows, vocab = logits.shape
+    scale = (torch.ones(rows, device=logits.device) if temperature is None else temperature).unsqueeze(-1)
+    top_k = torch.where(top_k >= vocab, 0, top_k)
+    truncated = (top_k > 0) | (top_p < 1) | (min_p > 0)
+    with_k = top_k > 0
+    width = min(vocab, int(top_k.max()) if bool(with_k.all()) else max(CANDIDATES, int(top_k.max())))
+    values, order = logits.topk(width, dim=-1)
+    values = values / scale
+    kept = values.masked_fill(with_k.unsqueeze(-1) & (torch.arange(width, device=logits.device) >= top_k.unsqueeze(-1)),
+                              -torch.inf)
+    # Top-p's probabilities: within the top-k, else over the whole vocabulary (a pass over it, where a row asks);
+    # min-p alone compares with the largest, for which the largest logit serves.
+    log_norm = torch.where(with_k.unsqueeze(-1), kept.logsumexp(dim=-1, keepdim=True), values[:, :1])
+    whole = (~with_k & (top_p < 1)).unsqueeze(-1)
+    if bool(whole.any()):
+        log_norm = torch.where(whole, _log_normalizers(logits, scale.squeeze(-1)), log_norm)
+    drop = _truncate_sorted(values, log_norm, top_k, top_p, min_p)
+    # A row is settled where its set ends among the candidates: top-k's always, the others' where they dropped the
+    # last candidate (or had every token).
+    settled = with_k | drop[:, -1] | (width == vocab)
+    out = torch.full_like(logits, -torch.inf).scatter_(-1, order, values.masked_fill(drop, -torch.inf))
+    for rows_of, whole_sort in ((~truncated, False), (truncated & ~settled, True)):
+        if bool(rows_of.any()):
+            at = rows_of.nonzero().squeeze(-1)
+            scaled = logits[at] / scale[at]
+            if whole_sort:
+                sorted_logits, full_order = scaled.sort(dim=-1, descending=True)
+                full_drop = _truncate_sorted(sorted_logits, scaled.logsumexp(dim=-1, keepdim=True), top_k[at],
+                                             top_p[at], min_p[at])
+                scaled = scaled.scatter(-1, full_order, sorted_logits.masked_fill(full_drop, -torch.inf))
+            out[at] = scaled
+    return out
 
 
 def draw(logits: torch.Tensor, temperature: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -146,8 +197,8 @@ class DefaultSampler(Sampler):
 
     def _truncated(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Temperature, then top-k, top-p and min-p: the logits and the temperature per row whose softmax a draw
-        samples (greedy rows' are meaningless). The truncations need a full-vocabulary sort of the scaled logits:
-        rows that ask for none leave the scaling to the draw, which saves a pass over the vocabulary."""
+        samples (greedy rows' are meaningless). Rows that ask for no truncation leave the scaling to the draw, which
+        saves a pass over the vocabulary; truncation scales what it keeps."""
         params = batch.params
         temperature = batch.temperature.clamp(min=GREEDY_EPS)
         if not any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
@@ -155,8 +206,7 @@ class DefaultSampler(Sampler):
         top_k = torch.tensor([p.top_k for p in params], device=logits.device)
         top_p = _row_tensor([p.top_p for p in params], logits)
         min_p = _row_tensor([p.min_p for p in params], logits)
-        scaled = apply_top_k_top_p_min_p(logits / temperature.unsqueeze(-1), top_k, top_p, min_p)
-        return scaled, torch.ones_like(temperature)
+        return apply_top_k_top_p_min_p(logits, top_k, top_p, min_p, temperature), torch.ones_like(temperature)
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw = logits
