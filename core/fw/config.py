@@ -77,8 +77,8 @@ class ModelSection(_Section):
     )
     enforce_eager: bool = Field(
         False,
-        description="Run every step eagerly: on the CPU, fw otherwise records a decode step of up to 8 requests once "
-        "per batch size and replays it without Python (fw.decode_graph).",
+        description="Run every step eagerly: on the CPU, fw otherwise records a decode step of up to 32 requests once "
+        "per batch size that recurs and replays it without Python (fw.decode_graph).",
     )
     pooling: Literal["auto", "last", "mean", "cls"] = Field(
         "auto",
