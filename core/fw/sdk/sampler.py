@@ -98,7 +98,7 @@ def _truncate_sorted(values: torch.Tensor, log_norm: torch.Tensor, top_k: torch.
 
 def _log_normalizers(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """``(logits / temperature).logsumexp(dim=-1, keepdim=True)``: in one native pass a row on the CPU."""
-    if native_ops.usable(logits) and logits.dtype == torch.float32 and logits.dim() == 2:
+    if native_ops.logit_rows(logits):
         return torch.ops.fw_layers.log_normalizers(logits, temperature.float()).unsqueeze(-1)
     return (logits / temperature.unsqueeze(-1)).logsumexp(dim=-1, keepdim=True)
 
@@ -131,16 +131,15 @@ def apply_top_k_top_p_min_p(
     # last candidate (or had every token).
     settled = with_k | drop[:, -1] | (width == vocab)
     out = torch.full_like(logits, -torch.inf).scatter_(-1, order, values.masked_fill(drop, -torch.inf))
-    for rows_of, whole_sort in ((~truncated, False), (truncated & ~settled, True)):
-        if bool(rows_of.any()):
-            at = rows_of.nonzero().squeeze(-1)
-            scaled = logits[at] / scale[at]
-            if whole_sort:
-                sorted_logits, full_order = scaled.sort(dim=-1, descending=True)
-                full_drop = _truncate_sorted(sorted_logits, scaled.logsumexp(dim=-1, keepdim=True), top_k[at],
-                                             top_p[at], min_p[at])
-                scaled = scaled.scatter(-1, full_order, sorted_logits.masked_fill(full_drop, -torch.inf))
-            out[at] = scaled
+    if not bool(truncated.all()):  # rows that ask for none, in a batch where others do
+        out[~truncated] = logits[~truncated] / scale[~truncated]
+    unsettled = truncated & ~settled
+    if bool(unsettled.any()):
+        scaled = logits[unsettled] / scale[unsettled]
+        sorted_logits, full_order = scaled.sort(dim=-1, descending=True)
+        full_drop = _truncate_sorted(sorted_logits, scaled.logsumexp(dim=-1, keepdim=True), top_k[unsettled],
+                                     top_p[unsettled], min_p[unsettled])
+        out[unsettled] = scaled.scatter(-1, full_order, sorted_logits.masked_fill(full_drop, -torch.inf))
     return out
 
 
@@ -154,7 +153,7 @@ def draw(logits: torch.Tensor, temperature: torch.Tensor, generators: list[torch
     for row, gen in enumerate(generators):
         if gen is not None:
             uniforms[row] = torch.rand(1, generator=gen, device=gen.device, dtype=torch.float64).item()
-    if native_ops.usable(logits) and logits.dtype == torch.float32 and logits.dim() == 2:
+    if native_ops.logit_rows(logits):
         tokens = torch.ops.fw_layers.sample_rows(logits, temperature.float(), uniforms)
         if not bool((tokens < 0).any()):
             return tokens
