@@ -251,6 +251,10 @@ def test_native_draw_takes_the_token_whose_interval_holds_the_uniform(layer_kern
         assert (p > 0).all()
         assert ((top - p - 1e-5 <= uniforms) & (uniforms <= top + 1e-5)).all(), (tokens, uniforms)
     assert run()[1] >= vocab // 2 and run()[2] == vocab - 1 and run()[3] == vocab // 3
+    flat = torch.zeros(2, vocab)
+    flat[1, -1] = float("-inf")
+    at_the_end = torch.ops.fw_layers.sample_rows(flat, torch.ones(2), torch.ones(2, dtype=torch.float64))
+    assert at_the_end.tolist() == [vocab - 1, vocab - 2]  # a target the sums never pass: the last token with mass
     logits[5, 0] = float("nan")  # the kernel leaves such a row to torch; the others still get tokens
     assert draw(logits, temperature, [None] * 48).shape == (48,)
 

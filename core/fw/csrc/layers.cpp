@@ -456,7 +456,10 @@ int64_t sample_row(const float* x, int64_t V, float temperature, double u) {
     if (before + sums[b] > target) break;
     before += sums[b];
   }
-  if (b == blocks) b = last;
+  if (b == blocks) {  // walk the last block with mass to its end
+    b = last;
+    before -= sums[b];
+  }
   const int64_t first = b * kSampleBlock, n = std::min(kSampleBlock, V - first);
   exp_block(x + first, n, top, scale, e.data());
   int64_t chosen = -1;
