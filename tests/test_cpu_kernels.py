@@ -343,3 +343,123 @@ def test_native_prefill_is_a_decode_of_each_token(native_kernel, heads, kv_heads
         torch.empty(0), None, metadata.batch.block_tables[0], context))
     rows = torch_attention._native_decode(layer, q, cache, torch_attention._decode_rows(metadata.batch))
     assert torch.equal(out, rows)
+
+
+@pytest.fixture(scope="module")
+def greedy_head():
+    from fw.sdk import native
+
+    if not native.load("fw_dense", dense._SOURCE):
+        pytest.fail("the native dense kernels did not build (see the log)") if shutil.which("c++") else pytest.skip(
+            "no C++ compiler: the native kernels cannot be built here")
+    if not torch.ops.fw_dense.greedy_supported():
+        pytest.skip("this CPU has no AVX-512 BF16 and VNNI: dense.argmax computes every logit (its 'logits' candidate)")
+    return torch.ops.fw_dense.greedy_head
+
+
+def _close_columns(gen, vocab, width, copies):
+    """A head whose columns come in near-copies: each of `copies` columns is another's plus a change below its int8
+    step, so that their int8 estimates tie and their bounds overlap, and only the exact sums tell them apart; and
+    some exact copies, whose logits tie bit for bit (the lowest column must win)."""
+    w = 0.05 * torch.randn(vocab, width, generator=gen)
+    src = torch.randint(0, vocab, (copies,), generator=gen)
+    dst = torch.randperm(vocab, generator=gen)[:copies]
+    step = w.abs().amax(dim=1, keepdim=True) / 127
+    w[dst] = w[src] + step[src] * 0.3 * torch.randn(copies, width, generator=gen).clamp(-1, 1)
+    w[dst[: copies // 4]] = w[src[: copies // 4]]
+    return w.bfloat16(), src
+
+
+@pytest.mark.parametrize(("vocab", "width", "rows"), [(4096, 896, 1), (4096, 896, 3), (4096, 896, 8), (4096, 896, 17),
+                                                       (4096, 896, 33), (160, 68, 5), (48, 4, 2)])
+def test_greedy_head_is_the_argmax_of_the_fw_kernels_logits(greedy_head, vocab, width, rows):
+    """dense.argmax's fw-int8: int8 bounds, then the exact logits of the columns they leave, the token of the full
+    logits bit for bit, where near-copies of columns make the bounds leave many and exact copies tie."""
+    gen = torch.Generator().manual_seed(vocab + width + rows)
+    w, src = _close_columns(gen, vocab, width, copies=vocab // 4)
+    tiles = dense._fw_tiles(w)
+    q8, terms, sums = torch.ops.fw_dense.greedy_pack(w)
+    for trial in range(6):
+        x = torch.randn(rows, width, generator=gen)
+        if trial % 2:  # rows aimed at the near-copied columns: their logits lead, and the copies with them
+            x = w[src[torch.randint(0, len(src), (rows,), generator=gen)]].float() * 40 + 0.1 * x
+        x = x.bfloat16()
+        logits = torch.ops.fw_dense.linear(x, tiles, None, True)
+        for limit in (vocab, vocab - 5):  # the head's padding rows are no tokens
+            assert torch.equal(greedy_head(x, tiles, q8, terms, sums, limit), logits[:, :limit].argmax(dim=-1)), trial
+
+
+def test_greedy_head_keeps_a_column_its_int8_estimate_puts_a_bound_width_behind(greedy_head):
+    """The bound taken as tight as it gets: x all ones, column A's rounding errors all +3/8 of its int8 step (its
+    estimate that much low) and B's all -3/8 (that much high), so that B's estimate leads A's by 47 steps while A's
+    logit leads B's by a quarter step. A bound 3% narrower than the kernel's would leave A out."""
+    step = 2.0**-10  # every value below is a bf16 and the int8 steps come out exact
+    w = torch.zeros(16, 64)
+    w[2, 0] = w[5, 0] = 127 * step  # the largest weight of each column sets its scale to `step`
+    w[5, 1:] = 10.375 * step  # int8 10, +3/8
+    w[2, 1:48] = 10.625 * step  # int8 11, -3/8
+    w[2, 48:] = 9.625 * step  # int8 10, -3/8: B's int8 sum 47 above A's, its logit 1/4 step below
+    w = w.bfloat16()
+    tiles = dense._fw_tiles(w)
+    x = torch.ones(1, 64, dtype=torch.bfloat16)
+    logits = torch.ops.fw_dense.linear(x, tiles, None, True)
+    assert logits[0].argmax() == 5 and logits[0, 5] - logits[0, 2] == pytest.approx(step / 4)
+    assert greedy_head(x, tiles, *torch.ops.fw_dense.greedy_pack(w), 16).tolist() == [5]
+
+
+def test_greedy_head_rows_that_bound_nothing(greedy_head):
+    """Rows of zeros (every logit ties at 0: the first column), and rows with a NaN or an infinity, which no bound
+    holds for: every column is computed, and the token is torch's argmax of the logits (a NaN first)."""
+    gen = torch.Generator().manual_seed(0)
+    w = (0.05 * torch.randn(256, 64, generator=gen)).bfloat16()
+    tiles = dense._fw_tiles(w)
+    x = torch.randn(4, 64, generator=gen).bfloat16()
+    x[0] = 0
+    x[1, 7] = float("nan")
+    x[2, 3] = float("inf")
+    x[3, 0] = 3e38  # finite, beyond what a bound is taken for
+    expected = torch.ops.fw_dense.linear(x, tiles, None, True).argmax(dim=-1)
+    assert torch.equal(greedy_head(x, tiles, *torch.ops.fw_dense.greedy_pack(w), 256), expected)
+    assert expected[0] == 0
+
+
+def test_a_head_that_is_not_finite_has_no_int8_copy():
+    from fw.sdk import native
+
+    if not native.load("fw_dense", dense._SOURCE):
+        pytest.skip("no native kernels here")
+    w = torch.zeros(32, 8, dtype=torch.bfloat16)
+    assert len(torch.ops.fw_dense.greedy_pack(w)) == 3
+    w[5, 2] = float("inf")
+    assert torch.ops.fw_dense.greedy_pack(w) == []
+
+
+def test_greedy_decoding_skips_the_logits_and_gives_their_tokens(greedy_head, tmp_path, monkeypatch):
+    """A bf16 model's greedy requests take dense.argmax's fw-int8 (no logits, no sampler) and the tokens the logits
+    and the sampler give; a request that asks for logprobs in the batch brings the logits back for every row."""
+    from fw import LLM, SamplingParams
+    from fw.testing.models import make_tiny_model
+
+    path = make_tiny_model("Qwen2ForCausalLM", tmp_path / "qwen2", dtype="bfloat16", tie_word_embeddings=True)
+    prompts = ["Hello world, this is", "def fibonacci(n):\n    return", "x"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def run(kernel):
+        monkeypatch.setenv("FW_KERNELS", f"dense.argmax={kernel},dense.logits=fw")
+        llm = LLM(path, num_kv_blocks=64)
+        head = llm.llm_engine.executor.runner.model.lm_head
+        calls = []
+        sample = llm.llm_engine.sampler.sample
+        monkeypatch.setattr(llm.llm_engine.sampler, "sample", lambda *a: calls.append(1) or sample(*a))
+        outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        return head, calls, outputs, llm
+
+    head, calls, int8, llm = run("fw-int8")
+    assert head.argmax is not None and set(head.argmax.names) == {"fw-int8"}
+    assert not calls  # every step's tokens came from the head
+    mixed = llm.generate(prompts, [greedy, greedy, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                                                   logprobs=1)])
+    assert calls and [o.outputs[0].token_ids for o in mixed] == int8
+    head, calls, logits, _ = run("logits")
+    assert head.argmax is None and calls  # the int8 copy is not kept where nothing chose it
+    assert int8 == logits

@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import test_gguf as gguf_tests
+import torch
 from gguf import GGMLQuantizationType as Q
 
 from fw import LLM, SamplingParams, decode_graph
@@ -93,13 +94,13 @@ def test_a_step_that_reads_a_tensor_into_python_stays_eager(bf16_llama, monkeypa
 def test_a_replay_that_differs_from_the_eager_step_is_dropped(bf16_llama, monkeypatch, caplog):
     from fw.models.llama import LlamaForCausalLM
 
-    compute_logits, calls = LlamaForCausalLM.compute_logits, []
+    forward = LlamaForCausalLM.forward
 
-    def counts_in_python(self, hidden):  # a host-side value that changes every step: the trace keeps one
-        calls.append(None)
-        return compute_logits(self, hidden) + len(calls) * 1e-3
+    def doubles_while_traced(self, input_ids, positions):  # a host-side value (tracing or not): the trace keeps one
+        hidden = forward(self, input_ids, positions)
+        return hidden * 2 if torch.jit.is_tracing() else hidden  # twice the logits, exactly: the same tokens
 
-    monkeypatch.setattr(LlamaForCausalLM, "compute_logits", counts_in_python)
+    monkeypatch.setattr(LlamaForCausalLM, "forward", doubles_while_traced)
     _assert_stays_eager(bf16_llama, caplog, "the replay of a step of 3 requests and 3 tokens differs")
 
 
@@ -119,7 +120,6 @@ def test_steps_verifying_speculative_drafts_replay_and_give_the_eager_tokens(bf1
 
 
 def test_a_step_the_tracer_cannot_record_runs_eagerly_and_other_shapes_still_replay(bf16_llama, monkeypatch, caplog):
-    import torch
 
     trace = torch.jit.trace
 

@@ -275,6 +275,17 @@ def _dense_examples(op):
         yield w, (lambda rows, n=in_features: (torch.randn(rows, n, generator=gen).bfloat16(),)), (bias,)
 
 
+def _argmax_examples(op):
+    """LM heads (their padding rows no tokens), with the layouts pack_argmax reads; the plain weight as the logits'
+    (``dense.logits`` widens it: the kernels' choices for the head are tested above)."""
+    gen = torch.Generator().manual_seed(0)
+    for vocab, width, tokens in ((96, 64, 96), (160, 68, 150)):
+        w = (0.1 * torch.randn(vocab, width, generator=gen)).bfloat16()
+        built = native.load("fw_dense", dense._SOURCE)  # without it only 'logits' runs, which reads no int8 copy
+        head = dense.ArgmaxHead(w, dense._fw_tiles(w), torch.ops.fw_dense.greedy_pack(w) if built else [None] * 3, tokens)
+        yield head, (lambda rows, n=width: (torch.randn(rows, n, generator=gen).bfloat16(),)), ()
+
+
 def _gguf_examples(op):
     rng = np.random.default_rng(0)
     in_features = 256
@@ -374,7 +385,7 @@ def _attention_examples(op):
         yield layer, sample, ()
 
 
-EXAMPLES = {"dense.linear": _dense_examples, "dense.logits": _dense_examples, "gguf.linear": _gguf_examples, "gguf.linear.a8": _gguf_examples,
+EXAMPLES = {"dense.linear": _dense_examples, "dense.logits": _dense_examples, "dense.argmax": _argmax_examples, "gguf.linear": _gguf_examples, "gguf.linear.a8": _gguf_examples,
             "fp8.linear": _fp8_examples, "int.linear": _int_examples, "int.linear.a8": _int_examples, "int.logits": _int_examples,
             "int8.linear": _eight_bit_examples, "int8.linear.a8": _eight_bit_examples,
             "fp8.linear.a8": _eight_bit_examples, "fp8.logits": _eight_bit_examples, "int8.logits": _eight_bit_examples,
@@ -425,6 +436,8 @@ def _key(op_name: str, weight, sample) -> tuple:
     if op_name.startswith("attention."):
         q, cache, *_ = sample(3)
         return torch_attention._key(weight, q.dtype, cache)
+    if op_name == "dense.argmax":
+        return dense._key(weight.packed)
     if op_name.startswith("dense"):
         return dense._key(weight)
     if op_name.startswith(("fp8.", "int8.")):

@@ -55,14 +55,16 @@ def test_lm_head_product_is_float32_on_every_path(rows, monkeypatch, tmp_path):
         _check(dense.logits(x, w.clone()), ref)
 
 
-def test_greedy_breaks_a_near_tie_by_the_float32_logits(tmp_path):
-    """Two vocabulary rows whose logits differ by less than a bf16 ulp: greedy takes the larger one."""
+def test_greedy_breaks_a_near_tie_by_the_float32_logits(tmp_path, monkeypatch):
+    """Two vocabulary rows whose logits differ by less than a bf16 ulp: greedy takes the larger one, from the
+    logits (the sampler's argmax) and from the head's own argmax (dense.argmax, where this CPU has fw-int8)."""
     from fw import LLM, SamplingParams
     from fw.testing.models import make_tiny_model
 
     path = make_tiny_model("LlamaForCausalLM", tmp_path / "llama", dtype="bfloat16", tie_word_embeddings=False)
     prompt, params = "The capital of France is", SamplingParams(temperature=0, max_tokens=1)
 
+    monkeypatch.setenv("FW_KERNELS", "dense.argmax=logits")  # the head's forward, the sampler: as they see them
     llm = LLM(path, num_kv_blocks=64)
     captured = []
     model = llm.llm_engine.executor.runner.model
@@ -105,6 +107,10 @@ def test_greedy_breaks_a_near_tie_by_the_float32_logits(tmp_path):
     llm.shutdown()
     assert seen and set(seen) == {torch.float32}
     assert out.outputs[0].token_ids == [winner]
+    monkeypatch.delenv("FW_KERNELS")
+    llm = LLM(path, num_kv_blocks=64)
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == [winner]
+    llm.shutdown()
 
 
 # One process per FW_NATIVE value (read once per process, when the native kernels load), asking under each of

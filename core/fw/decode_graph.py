@@ -1,4 +1,4 @@
-"""Captured decode steps: a small decode step's forward pass and logits, replayed without Python.
+"""Captured decode steps: a small decode step's forward pass, replayed without Python.
 
 At a few requests a CPU decode step spends as long in Python (module calls, plugin glue, op dispatch) as in its
 kernels: half of SmolLM2-135M Q4_1's 30 ms a token on two Zen 3 cores. So the runner records such a step once per
@@ -12,7 +12,7 @@ A graph is right only if the step's ops depend on nothing but those inputs. Thre
   their decode path reads no host-side value that changes from step to step.
 - A tensor's values read into Python while tracing (``.item()``, ``.tolist()``) abandon the capture, as does an op
   the tracer cannot record.
-- A new graph's first replay runs beside the eager step, and the two must give the same logits, bit for bit.
+- A new graph's first replay runs beside the eager step, and the two must give the same hidden states, bit for bit.
 After a failure every decode step runs eagerly, with one warning (the next size would fail alike), except when the
 tracer cannot record an op: kernel choice picks kernels per row count, and a candidate a trace cannot hold (oneDNN's
 prepacked weights) is chosen at the captured sizes only where it times far faster (``fw.sdk.kernels.CAPTURED_ROWS``),
@@ -83,9 +83,9 @@ class DecodeGraphs:
         self.untraced.clear()
         self.off = None
 
-    def logits(self, batch: AttentionBatch, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """The float32 logits of a step whose every token is sampled, one row per token; None when the step should
-        run eagerly."""
+    def hidden(self, batch: AttentionBatch, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The final hidden states of a step whose every token is sampled, one row per token; None when the step
+        should run eagerly. The LM head runs after, eagerly: greedy steps need only its argmax (``argmax_only``)."""
         size = (batch.num_reqs, len(input_ids))
         if self.off or batch.max_query_len > GRAPH_MAX_QUERY_LEN or batch.num_reqs > MAX_BATCH:
             return None
@@ -122,8 +122,7 @@ class DecodeGraphs:
         )
         runner = self.runner
         with set_forward_context(runner.attention.prepare(step), runner.layer_caches):
-            hidden = runner.model(input_ids, positions)
-        return runner.model.compute_logits(hidden)
+            return runner.model(input_ids, positions)
 
     def _capture(self, batch: AttentionBatch, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         size = (batch.num_reqs, len(inputs[0]))

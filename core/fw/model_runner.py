@@ -110,7 +110,8 @@ class ModelRunner:
     @torch.inference_mode()
     @kernels.choosing("serving")  # the attention backend's choices, on the first step
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Run the step; returns float32 logits at ``inputs.logit_positions``, [len(logit_positions), vocab]."""
+        """Run the step; returns float32 logits at ``inputs.logit_positions``, [len(logit_positions), vocab], or
+        with ``inputs.argmax_only`` each row's token, int64 [len(logit_positions)], where the model gives them."""
         if kernels.refresh() and self.graphs is not None:  # native kernels built in the background landed
             self.graphs.reset()
         for src, dst in inputs.copies:
@@ -130,16 +131,16 @@ class ModelRunner:
         # Steps whose every token is sampled: decodes, and decodes verifying speculative drafts.
         graphable = inputs.logit_positions == list(range(sum(inputs.num_new))) and not keep_hidden
         if self.graphs is not None and graphable:
-            logits = self.graphs.logits(*parts[0])  # the only part: graphs run without pipeline parallelism
-            if logits is not None:
-                return logits
+            hidden = self.graphs.hidden(*parts[0])  # the only part: graphs run without pipeline parallelism
+            if hidden is not None:
+                return self._logits([hidden], inputs.logit_positions, False, inputs.argmax_only)
         sends: list[Pending] = []
         hidden = [self._forward(*part, inputs.kv_connector_meta, sends) for part in parts]
         for send in sends:
             send.wait()
         if connector is not None:
             self._finish_kv_transfers()
-        return self._logits(hidden, inputs.logit_positions, keep_hidden)
+        return self._logits(hidden, inputs.logit_positions, keep_hidden, inputs.argmax_only)
 
     def _step_tensors(self, inputs: StepInputs, part: slice) -> tuple[AttentionBatch, torch.Tensor, torch.Tensor]:
         """The attention batch, token ids and positions of the requests ``part`` of the step, a batch of their
@@ -160,10 +161,11 @@ class ModelRunner:
         sends.extend(ctx.sends)
         return hidden
 
-    def _logits(self, hidden: list[torch.Tensor], logit_positions: list[int], keep_hidden: bool) -> torch.Tensor:
+    def _logits(self, hidden: list[torch.Tensor], logit_positions: list[int], keep_hidden: bool,
+                argmax_only: bool) -> torch.Tensor:
         """The last pipeline stage computes the logits, from its micro-batches' hidden states in the step's row
         order, and sends them to the first, whose rank 0 samples; a stage in between returns none (an empty
-        tensor)."""
+        tensor). ``argmax_only`` in one stage: each row's token (int64), where the model gives it."""
         pp = distributed.get_pp_group()
         last = pp.world_size - 1
         if pp.rank < last:
@@ -173,6 +175,10 @@ class ModelRunner:
         rows = torch.tensor(logit_positions, dtype=torch.long, device=self.device)
         states = hidden[0] if len(hidden) == 1 else torch.cat(hidden)
         self.hidden_states = states if keep_hidden else None
+        if argmax_only and not last:
+            tokens = self.model.greedy_tokens(states[rows])
+            if tokens is not None:
+                return tokens
         logits = self.model.compute_logits(states[rows])
         if logits.dtype != torch.float32:  # widening here would hide ties that rounding already made
             raise TypeError(f"{type(self.model).__name__}.compute_logits returned {logits.dtype}; logits must be float32")

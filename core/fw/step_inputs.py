@@ -24,3 +24,6 @@ class StepInputs:
     # (ModelRunner.hidden_states) when there are any.
     hidden_positions: list[int] = field(default_factory=list)
     keep_hidden_states: bool = False  # a proposer reads every position's final hidden states (runner.hidden_states)
+    # Every logits row only serves its argmax: greedy rows that nothing else reads (LLMEngine._argmax_only). The
+    # runner may then return each row's token, int64 [rows], instead of the logits (ModelBase.greedy_tokens).
+    argmax_only: bool = False

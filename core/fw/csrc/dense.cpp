@@ -15,7 +15,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <mutex>
 #include <type_traits>
+#include <vector>
 
 #include "fw_cpu.h"
 
@@ -268,6 +272,284 @@ at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   return y;
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+// Greedy decoding reads one thing of the LM head's logits: each row's largest. So it need not compute them all in
+// bf16: an int8 copy of the head (a scale per column) gives every logit within a bound that holds whatever the
+// values, and only the columns whose upper bound reaches the best lower bound can be the argmax. Those are computed
+// as `linear` computes them (the same tile on the same pair-interleaved block: every lane's sums in the same order),
+// so the token is the argmax of `linear`'s logits, bit for bit, while the head's bytes read are halved (decode is
+// memory-bound) and its multiply-adds run four to an int32 lane (AVX-512 VNNI).
+//
+// The bound of logit j, x . w_j against its int8 estimate a_j = s_x s_j (q_x . q_j): with x = h + dx (h = s_x q_x)
+// and w_j = s_j q_j + dw_j, x . w_j - a_j = h . dw_j + dx . w_j, so it is at most
+//   min(|h|_1 |dw_j|_max, |h|_2 |dw_j|_2) + min(|dx|_max |w_j|_1, |dx|_2 |w_j|_2)
+// (|dw_j|_max <= s_j / 2, |dx|_max <= s_x / 2; the second forms are Cauchy-Schwarz: on the Qwen2-0.5B-shaped
+// benchmark model's decode steps the first forms alone left 126 columns a row, both 35), plus what the bf16 kernel's
+// float32 sums round: K errors of 2^-24 |x|_1 max|w_j| at most (max|w_j| = 127 s_j). The packed head holds s_j,
+// |dw_j|_2, |w_j|_1 and |w_j|_2 per column (fw/sdk/dense.py, pack_greedy). Slack of 1e-4 relative, 1e-6 of |a_j|
+// and 1e-20 absolute covers the float32 arithmetic of the bound itself and products the bf16 instruction flushes.
+constexpr int64_t kQ8Quad = 4;  // int8 values a lane sums per instruction
+
+struct GreedyRow {  // what the bound needs of a row of x
+  float sx, h1, h2, dx2, x1;  // s_x, |h|_1, |h|_2, |dx|_2, a bound on |x|_1
+};
+
+struct Greedy {
+  const uint8_t* xu;  // [M, K]: x quantized, q + 128 (the instruction multiplies unsigned by signed bytes)
+  const GreedyRow* rows;
+  const int8_t* q8;   // [V / 16, K / 4, 16, 4]: the head's int8 columns, 16 to a block, 4 input features a lane
+  const float* s;     // [4, V]: s_j, |dw_j|_2, |w_j|_1, |w_j|_2
+  const int32_t* qsum;  // [V] sum of q_j: the + 128 taken off again
+  float* upper;       // [M, V]: a_j + bound
+  int64_t M, K, V, vocab;
+  float rounding;     // 127 K 2^-24, with margin: the float32 sums' share, per s_j |x|_1
+};
+
+// The sums as GCC's vector of 16 int32, the type its dot-product builtin takes: through __m512i (8 int64) every
+// call converts, and GCC 12 then kept a tile's 24 sums on the stack, loading and storing them around every
+// instruction (the products ran at a third of the speed).
+#if defined(__GNUC__) && !defined(__clang__)
+typedef int Sums16 __attribute__((vector_size(64)));
+inline Sums16 dpbusd(Sums16 acc, __m512i a, __m512i b) {
+  return __builtin_ia32_vpdpbusd_v16si(acc, reinterpret_cast<Sums16>(a), reinterpret_cast<Sums16>(b));
+}
+#else
+typedef __m512i Sums16;
+inline Sums16 dpbusd(Sums16 acc, __m512i a, __m512i b) { return _mm512_dpbusd_epi32(acc, a, b); }
+#endif
+
+// sums[m][j] = the int32 products of row m0 + m of x (as q + 128) with block first + j, 16 columns each. `ahead`: the
+// next group's blocks to request while these are read, as pair_tile does.
+template <int MR, int NB>
+void greedy_sums(const Greedy& g, int64_t m0, int64_t first, const int8_t* ahead, int64_t stride, int32_t* sums) {
+  Sums16 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = Sums16{};
+  const int64_t quads = g.K / kQ8Quad, block = g.K * kCols;  // bytes per column block
+  const int8_t* w = g.q8 + first * block;
+  const uint8_t* x = g.xu + m0 * g.K;
+  const int64_t K = g.K;
+  for (int64_t q = 0; q < quads; ++q) {
+    if (ahead)
+      for (int j = 0; j < fw::kPairBlocks; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * stride + q * 64), _MM_HINT_T1);
+    __m512i b[NB];
+    for (int j = 0; j < NB; ++j) b[j] = _mm512_loadu_si512(w + j * block + q * 64);
+    for (int m = 0; m < MR; ++m) {
+      const __m512i a = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + m * K + q * kQ8Quad));
+      for (int j = 0; j < NB; ++j) acc[m][j] = dpbusd(acc[m][j], a, b[j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_si512(sums + (m * NB + j) * kCols, reinterpret_cast<__m512i>(acc[m][j]));
+}
+
+// Rows m0 .. m0 + MR of x against NB blocks from `first`: upper bounds stored, each row's largest lower bound kept
+// in lower[m] (16 lanes).
+template <int MR, int NB>
+void greedy_bounds(const Greedy& g, int64_t m0, int64_t first, const int8_t* ahead, int64_t stride, __m512* lower) {
+  alignas(64) int32_t sums[MR * NB * kCols];
+  greedy_sums<MR, NB>(g, m0, first, ahead, stride, sums);
+  const __m512 half = _mm512_set1_ps(0.5f), rel = _mm512_set1_ps(1 + 1e-4f), of_a = _mm512_set1_ps(1e-6f);
+  const __m512 floor = _mm512_set1_ps(1e-20f), none = _mm512_set1_ps(-INFINITY);
+  for (int j = 0; j < NB; ++j) {
+    const int64_t col = (first + j) * kCols;
+    const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(g.qsum + col), 7);
+    const __m512 s = _mm512_loadu_ps(g.s + col), dw2 = _mm512_loadu_ps(g.s + g.V + col);
+    const __m512 w1 = _mm512_loadu_ps(g.s + 2 * g.V + col), w2 = _mm512_loadu_ps(g.s + 3 * g.V + col);
+    const __mmask16 real = col + kCols <= g.vocab ? 0xFFFF : (col >= g.vocab ? 0 : (1u << (g.vocab - col)) - 1);
+    for (int m = 0; m < MR; ++m) {
+      const GreedyRow& r = g.rows[m0 + m];
+      const __m512 sx = _mm512_set1_ps(r.sx);
+      const __m512i sum = _mm512_load_si512(sums + (m * NB + j) * kCols);
+      const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum, offset)), _mm512_mul_ps(s, sx));
+      const __m512 t1 = _mm512_min_ps(_mm512_mul_ps(_mm512_mul_ps(half, s), _mm512_set1_ps(r.h1)),
+                                      _mm512_mul_ps(dw2, _mm512_set1_ps(r.h2)));
+      const __m512 t2 = _mm512_min_ps(_mm512_mul_ps(_mm512_mul_ps(half, sx), w1), _mm512_mul_ps(w2, _mm512_set1_ps(r.dx2)));
+      __m512 e = _mm512_fmadd_ps(s, _mm512_set1_ps(g.rounding * r.x1), _mm512_add_ps(t1, t2));
+      e = _mm512_add_ps(_mm512_fmadd_ps(e, rel, floor), _mm512_mul_ps(_mm512_abs_ps(a), of_a));
+      _mm512_storeu_ps(g.upper + (m0 + m) * g.V + col, _mm512_mask_blend_ps(real, none, _mm512_add_ps(a, e)));
+      lower[m0 + m] = _mm512_max_ps(lower[m0 + m], _mm512_mask_blend_ps(real, none, _mm512_sub_ps(a, e)));
+    }
+  }
+}
+
+template <int NB>
+void greedy_row_tiles(const Greedy& g, int64_t first, const int8_t* ahead, __m512* lower) {
+  const bool spread = g.M >= fw::kSpreadRows;  // as pair_row_tiles: three tiles or more share the requests
+  const int64_t block = g.K * kCols, stride = spread ? 0 : block;
+  auto tile_ahead = [&](int64_t tile) {
+    return ahead && tile < (spread ? fw::kPairBlocks : 1) ? ahead + tile * block : nullptr;
+  };
+  int64_t m = 0;
+  for (; m + fw::kPairRows <= g.M; m += fw::kPairRows)
+    greedy_bounds<fw::kPairRows, NB>(g, m, first, tile_ahead(m / fw::kPairRows), stride, lower);
+  const int8_t* ar = tile_ahead(m / fw::kPairRows);
+  switch (g.M - m) {
+    case 7: greedy_bounds<7, NB>(g, m, first, ar, stride, lower); break;
+    case 6: greedy_bounds<6, NB>(g, m, first, ar, stride, lower); break;
+    case 5: greedy_bounds<5, NB>(g, m, first, ar, stride, lower); break;
+    case 4: greedy_bounds<4, NB>(g, m, first, ar, stride, lower); break;
+    case 3: greedy_bounds<3, NB>(g, m, first, ar, stride, lower); break;
+    case 2: greedy_bounds<2, NB>(g, m, first, ar, stride, lower); break;
+    case 1: greedy_bounds<1, NB>(g, m, first, ar, stride, lower); break;
+    default: break;
+  }
+}
+
+// Whether logit v at column j beats the best so far (bv at bj), as torch's argmax orders them: a NaN first, then
+// the largest, ties to the lowest column.
+inline bool beats(float v, int64_t j, float bv, int64_t bj) {
+  if (std::isnan(bv)) return std::isnan(v) && j < bj;
+  return std::isnan(v) || v > bv || (v == bv && j < bj);
+}
+#endif
+
+// x [M, K] bf16; tiles the head as `linear` reads it; q8, scales [4, V] and qsum [V] as pack_greedy in
+// fw/sdk/dense.py builds them. Returns [M] int64: each row's argmax over the first `vocab` columns of
+// linear(x, tiles, float_out=True). A row with a value that is not finite (or beyond 1e18) takes every column.
+at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& q8, const at::Tensor& scales,
+                       const at::Tensor& qsum, int64_t vocab) {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && tiles.scalar_type() == at::kBFloat16, "bad x");
+  TORCH_CHECK(q8.scalar_type() == at::kChar && q8.is_contiguous() && scales.is_contiguous() && qsum.is_contiguous() &&
+              tiles.is_contiguous(), "bad head");
+  const int64_t M = x.size(0), K = x.size(1), V = tiles.size(0) * kCols;
+  TORCH_CHECK(K % kQ8Quad == 0 && K <= 65536 && tiles.size(1) * 2 == K && q8.numel() == V * K && scales.numel() == 4 * V &&
+              qsum.numel() == V && vocab <= V, "the packed head and x disagree");
+  auto xc = x.contiguous();
+  auto tokens = at::empty({M}, x.options().dtype(at::kLong));
+  if (M == 0) return tokens;
+  const bf16* xp = reinterpret_cast<const bf16*>(xc.data_ptr());
+  std::vector<uint8_t> xu(M * K);
+  std::vector<GreedyRow> rows(M);
+  std::vector<char> every(M, 0);  // rows that take every column
+  for (int64_t m = 0; m < M; ++m) {
+    const bf16* row = xp + m * K;
+    float peak = 0;
+    bool finite = true;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = std::abs(fw::f32(row[k]));
+      finite = finite && v < 1e18f;  // false for NaN too
+      peak = std::max(peak, v);
+    }
+    every[m] = !finite;
+    const float scale = finite && peak > 0 ? peak / 127 : 0, inv = scale > 0 ? 127 / peak : 0;
+    double h1 = 0, h2 = 0, d2 = 0;  // in integers and doubles: no rounding worth a margin
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = fw::f32(row[k]);
+      const int q = finite ? std::clamp(static_cast<int>(std::nearbyint(v * inv)), -127, 127) : 0;
+      xu[m * K + k] = static_cast<uint8_t>(q + 128);
+      const double d = double(v) - double(scale) * q;
+      h1 += std::abs(q), h2 += double(q) * q, d2 += d * d;
+    }
+    rows[m] = {scale, float(scale * h1), float(scale * std::sqrt(h2)), float(std::sqrt(d2) * (1 + 1e-6)),
+               float(scale * (h1 + 0.5 * K))};
+  }
+  auto upper = at::empty({M, V}, x.options().dtype(at::kFloat));
+  const Greedy g{xu.data(), rows.data(), q8.data_ptr<int8_t>(), scales.data_ptr<float>(), qsum.data_ptr<int32_t>(),
+                 upper.data_ptr<float>(), M, K, V, vocab, float(127 * 1.05 * K * std::ldexp(1.0, -24))};
+  const int64_t count = V / kCols, block = K * kCols;
+  std::vector<float> threshold(M, -INFINITY);
+  std::mutex merge;
+  at::parallel_for(0, count, fw::kPairBlocks, [&](int64_t begin, int64_t end) {
+    std::vector<__m512> lower(M, _mm512_set1_ps(-INFINITY));
+    for (int64_t first = begin, nb; first < end; first += nb) {
+      nb = end - first == fw::kPairBlocks + 1 ? 2 : std::min(fw::kPairBlocks, end - first);
+      const int8_t* ahead = M > 1 && first + nb + fw::kPairBlocks <= end ? g.q8 + (first + nb) * block : nullptr;
+      if (nb == 3) greedy_row_tiles<3>(g, first, ahead, lower.data());
+      else if (nb == 2) greedy_row_tiles<2>(g, first, ahead, lower.data());
+      else greedy_row_tiles<1>(g, first, ahead, lower.data());
+    }
+    std::lock_guard<std::mutex> hold(merge);
+    for (int64_t m = 0; m < M; ++m) threshold[m] = std::max(threshold[m], _mm512_reduce_max_ps(lower[m]));
+  });
+  // The columns that can be the argmax, computed exactly: a block at a time, by the tile `linear` runs.
+  const bf16* wp = reinterpret_cast<const bf16*>(tiles.data_ptr());
+  std::vector<float> best(M, -INFINITY);
+  std::vector<int64_t> at(M, INT64_MAX);
+  at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> own(M, -INFINITY);
+    std::vector<int64_t> own_at(M, INT64_MAX);
+    alignas(64) float exact[kCols];
+    for (int64_t m = 0; m < M; ++m) {
+      const __m512 bar = _mm512_set1_ps(threshold[m]);
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t col = b * kCols;
+        if (col >= vocab) break;
+        __mmask16 open = col + kCols <= vocab ? 0xFFFF : (1u << (vocab - col)) - 1;
+        if (!every[m]) open &= _mm512_cmp_ps_mask(_mm512_loadu_ps(g.upper + m * V + col), bar, _CMP_GE_OQ);
+        if (!open) continue;
+        fw::pair_tile<1, 1>(xp + m * K, K, wp + b * block, K, nullptr, nullptr, exact, kCols, nullptr, 0);
+        for (int l = 0; l < kCols; ++l)
+          if ((open >> l & 1) && beats(exact[l], col + l, own[m], own_at[m])) own[m] = exact[l], own_at[m] = col + l;
+      }
+    }
+    std::lock_guard<std::mutex> hold(merge);
+    for (int64_t m = 0; m < M; ++m)
+      if (beats(own[m], own_at[m], best[m], at[m])) best[m] = own[m], at[m] = own_at[m];
+  });
+  auto* out = tokens.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) out[m] = at[m];
+  return tokens;
+#else
+  TORCH_CHECK(false, "fw_dense.greedy_head needs AVX512-BF16 and AVX512-VNNI");
+#endif
+}
+
+// The int8 head greedy_head reads, from the plain bf16 head [V, K] (V a multiple of 16, K of 4): q8 [V / 16, K / 4,
+// 16, 4], per column [4, V] s_j = max|w_j| / 127, |dw_j|_2, |w_j|_1, |w_j|_2 (dw_j = w_j - s_j q_j; the norms in
+// double, rounded up), and qsum [V]. Empty tensors where a weight is not finite.
+std::vector<at::Tensor> greedy_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "a bf16 [V, K] head");
+  const auto w = weight.contiguous();
+  const int64_t V = w.size(0), K = w.size(1);
+  TORCH_CHECK(V % kCols == 0 && K % 4 == 0, "the head's shape must be [16 n, 4 m]");
+  auto q8 = at::empty({V / kCols, K / 4, kCols, 4}, w.options().dtype(at::kChar));
+  auto terms = at::empty({4, V}, w.options().dtype(at::kFloat));
+  auto qsum = at::empty({V}, w.options().dtype(at::kInt));
+  const bf16* wp = reinterpret_cast<const bf16*>(w.data_ptr());
+  int8_t* qp = q8.data_ptr<int8_t>();
+  float* tp = terms.data_ptr<float>();
+  int32_t* sp = qsum.data_ptr<int32_t>();
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, V, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const bf16* row = wp + j * K;
+      float peak = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const float v = std::abs(fw::f32(row[k]));
+        if (!(v <= 3.4e38f)) finite = false;
+        peak = std::max(peak, v);
+      }
+      const float s = peak / 127;
+      int8_t* out = qp + (j / kCols) * K * kCols + j % kCols * 4;  // byte k at out + (k / 4) * 64 + k % 4
+      double d2 = 0, w1 = 0, w2 = 0;
+      int64_t total = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const double v = fw::f32(row[k]);
+        const int q = s > 0 ? std::clamp(static_cast<int>(std::nearbyint(v / s)), -127, 127) : 0;
+        out[(k / 4) * 4 * kCols + k % 4] = static_cast<int8_t>(q);
+        const double d = v - double(s) * q;  // exact: a float times an int below 2^7
+        d2 += d * d, w1 += std::abs(v), w2 += v * v, total += q;
+      }
+      const double up = 1 + 1e-6;
+      tp[j] = s, tp[V + j] = float(std::sqrt(d2) * up), tp[2 * V + j] = float(w1 * up);
+      tp[3 * V + j] = float(std::sqrt(w2) * up), sp[j] = static_cast<int32_t>(total);
+    }
+  });
+  if (!finite) return {};
+  return {q8, terms, qsum};
+}
+
+// Whether this build has `greedy_head`.
+bool greedy_supported() {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Whether this build (for this machine's CPU) has `linear` (plain_linear runs anywhere).
 bool supported() {
 #if defined(__AVX512BF16__)
@@ -288,4 +570,8 @@ TORCH_LIBRARY(fw_dense, m) {
   m.def("amx_linear(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor");
   m.impl("amx_linear", c10::DispatchKey::CPU, TORCH_FN(amx_linear));
   m.def("amx_supported() -> bool", TORCH_FN(amx_supported));
+  m.def("greedy_head(Tensor x, Tensor tiles, Tensor q8, Tensor scales, Tensor qsum, int vocab) -> Tensor");
+  m.impl("greedy_head", c10::DispatchKey::CPU, TORCH_FN(greedy_head));
+  m.def("greedy_supported() -> bool", TORCH_FN(greedy_supported));
+  m.def("greedy_pack(Tensor weight) -> Tensor[]", TORCH_FN(greedy_pack));
 }

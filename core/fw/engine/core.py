@@ -295,6 +295,7 @@ class LLMEngine:
                 time.sleep(0.002)
             return []
         inputs = self.scheduler.step_inputs(batch)
+        inputs.argmax_only = self._argmax_only(batch, inputs)
         if self.spec is not None:
             for seq in batch.preempted:
                 self.spec.forget(seq.request_id)
@@ -350,12 +351,25 @@ class LLMEngine:
             self.before_forward()
         return self.executor.execute(inputs)
 
+    def _argmax_only(self, batch: ScheduledBatch, inputs: StepInputs) -> bool:
+        """Whether the step's logits serve only each sampled row's argmax: no drafts, no prompt logprobs, no logits
+        processors, and the sampler says its rows take the argmax of the raw logits and read nothing else."""
+        if self.spec is not None or len(inputs.logit_positions) != len(inputs.sample_rows) or not inputs.sample_rows:
+            return False
+        requests = [batch.requests[i] for i in inputs.sample_rows]
+        if any(self.logits_processors.get(r.request_id) for r in requests):
+            return False
+        return self.sampler.argmax_suffices([r.request_id for r in requests], [r.params for r in requests])
+
     def _sample(
         self, batch: ScheduledBatch, rows: list[int], logits: torch.Tensor
     ) -> tuple[list[list[int]], list[list[float]] | None]:
-        """Each sampling request's new tokens (one, or its accepted drafts and one more) and their logprobs."""
+        """Each sampling request's new tokens (one, or its accepted drafts and one more) and their logprobs.
+        ``logits`` may be the tokens themselves (int64, ``StepInputs.argmax_only``): the sampler has nothing to do."""
         if not rows:
             return [], None
+        if logits.dtype == torch.int64:
+            return [[t] for t in logits.tolist()], None
         requests = [batch.requests[i] for i in rows]
         # A request with drafts has a row per position (its last token's, then each draft's), each seeing the output
         # as it is there: the drafts before it count, so that penalties, min_tokens and processors stay exact.

@@ -95,6 +95,8 @@ class StepProfile:
             part = _module_part(module)
             if part is not None:
                 self._wrap(module, "forward", part)
+            if isinstance(module, ParallelLMHead):  # greedy steps' argmax of the logits (StepInputs.argmax_only)
+                self._wrap(module, "greedy", part)
         self._graphs, runner.graphs = runner.graphs, None
         step = engine.step
 

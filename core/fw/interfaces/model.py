@@ -10,6 +10,8 @@ calls), with this shape (the built-ins in ``fw.models`` are the examples):
   ``fw.forward_context``)
 - ``compute_logits(hidden [N, hidden]) -> [N, vocab]`` float32, whatever the model's dtype (full
   vocabulary on every rank; ``fw.layers.embedding.ParallelLMHead`` does this)
+- ``greedy_tokens(hidden [N, hidden]) -> [N]`` int64 or None (optional): greedy decoding's tokens without
+  every logit, where the LM head can (``ParallelLMHead.greedy``)
 - ``load_weights(weights: Iterable[tuple[str, Tensor]]) -> set[str]``
   (checkpoint names as in the Hugging Face checkpoint; returns the parameter names loaded)
 
@@ -71,6 +73,12 @@ class ModelBase(ABC):
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] over the full vocabulary on every rank."""
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of ``compute_logits(hidden)`` (int64 [N], the first of equal values), where the model
+        can give it without every logit (``fw.layers.embedding.ParallelLMHead.greedy``); None, the default: the
+        engine computes the logits."""
+        return None
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

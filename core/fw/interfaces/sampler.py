@@ -2,7 +2,8 @@
 
 Once per step the engine hands the sampler the logits of every request that
 produces a token, as one float32 [B, V] tensor, plus a ``SamplingBatch``
-describing each row. The sampler returns one token per row. Everything
+describing each row. The sampler returns one token per row. A step whose rows
+would all take their argmax (``argmax_suffices``) may skip the sampler. Everything
 per-request lives in ``SamplingBatch`` so a sampler can stay vectorised.
 
 A sampler that keeps per-request state (a grammar's automaton, say) learns
@@ -93,6 +94,13 @@ class Sampler(ABC):
 
     @abstractmethod
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput: ...
+
+    def argmax_suffices(self, request_ids: list[str], params: list[SamplingParams]) -> bool:
+        """Whether ``sample`` would give every one of these rows the argmax of its raw logits (the first of equal
+        values) and read nothing else of them, so that the engine may skip it and compute only the argmax
+        (``ModelBase.greedy_tokens``): greedy, no logprobs, nothing that changes the logits. False unless the sampler
+        knows."""
+        return False
 
     def probabilities(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """[B, V] float32: the distribution ``sample`` draws each row's token from, after everything it applies

@@ -61,6 +61,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(num_embeddings, embedding_dim, params_dtype=params_dtype)
         self.quant = quant
         self.quantized: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.argmax: Callable[[torch.Tensor], torch.Tensor] | None = None  # greedy's tokens (dense.pack_argmax)
 
     def tie(self, embedding: VocabParallelEmbedding) -> None:
         """Share the embedding's table (``tie_word_embeddings``)."""
@@ -74,6 +75,7 @@ class ParallelLMHead(VocabParallelEmbedding):
                 del self.weight
             return
         packed = dense.pack_logits(self.weight)
+        self.argmax = dense.pack_argmax(self.weight, packed, self.num_embeddings)
         if packed is self.weight:
             return
         if self.tied:  # the embedding lookup needs the plain table: the head keeps a packed copy
@@ -91,3 +93,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp.world_size > 1:
             logits = self.tp.all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of ``forward(hidden)``, int64 [N], by the kernel chosen for it (``dense.argmax``);
+        None where this head has no such choice (quantized, sharded, off the CPU)."""
+        if self.argmax is None or self.tp.world_size > 1:
+            return None
+        return self.argmax(hidden)

@@ -263,6 +263,9 @@ class LlamaForCausalLM(nn.Module, ModelBase):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head.greedy(hidden)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load Hugging Face-named tensors; return the parameters whose every shard was loaded."""
         params = dict(self.named_parameters())

@@ -1,6 +1,6 @@
 """Products with dense (unquantized) weight matrices, chosen per CPU and shape by measurement.
 
-Two operations of ``fw.sdk.kernels``, each with candidates that the first load of
+Three operations of ``fw.sdk.kernels``, each with candidates that the first load of
 a shape times (``benchmarks/RESULTS.md`` has the numbers per CPU):
 
 ``dense.linear`` (bf16 weights on the CPU):
@@ -36,6 +36,12 @@ turn near-ties into exact ties): ``fw`` and ``fw-amx`` (the same kernels storing
 ``torch-fp32`` (a float32 copy of the head) and ``torch`` (widened a chunk at
 a time, also the path off the CPU).
 
+``dense.argmax`` (greedy decoding's tokens, ``ModelBase.greedy_tokens``): ``logits``
+(every logit, then their argmax) or ``fw-int8`` (an int8 copy of the head bounds
+every logit, and only the columns the bounds leave are computed, by ``fw``'s
+tile: the same token). Qwen2-0.5B's head on two Zen 5 cores, one engine's steps
+in turns: 1 row 29.4 -> 25.5 ms a step, 32 rows 66.7 -> 60.7.
+
 float32 weights, and weights off the CPU, stay plain with ``F.linear``.
 """
 
@@ -46,7 +52,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fw.sdk import kernels, native
+from fw.sdk import kernels, native, native_ops
 
 _SOURCE = Path(__file__).parent.parent / "csrc" / "dense.cpp"
 _GEMM_SOURCE = native.INCLUDE / "gemm.cpp"
@@ -167,6 +173,56 @@ def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype == torch.float32:
         return F.linear(x.float(), weight)
     return widened(x, weight)
+
+
+class ArgmaxHead:
+    """What ``dense.argmax``'s candidates read: the ``pack_logits``-ed head, the int8 copy ``fw-int8`` bounds the
+    logits with (``fw/csrc/dense.cpp``, ``greedy_pack``), and the vocabulary (the head may have padding rows)."""
+
+    def __init__(self, packed: torch.Tensor, tiles: torch.Tensor, int8: list[torch.Tensor], vocab: int) -> None:
+        self.packed, self.tiles, self.vocab = packed, tiles, vocab
+        self.q8, self.terms, self.sums = int8
+
+
+def _argmax_of_logits(head: ArgmaxHead, x: torch.Tensor) -> torch.Tensor:
+    return native_ops.argmax(logits(x, head.packed)[:, : head.vocab])
+
+
+def _argmax_int8(head: ArgmaxHead, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.fw_dense.greedy_head(x, head.tiles, head.q8, head.terms, head.sums, head.vocab)
+
+
+def _has_greedy(key: tuple) -> bool:
+    return _has_native(key) and torch.ops.fw_dense.greedy_supported()
+
+
+# Each row's argmax of the LM head's logits, for greedy decoding (``ModelBase.greedy_tokens``): int64 [rows].
+# - ``logits``: every logit (``logits``, the kernel chosen for them), then their argmax.
+# - ``fw-int8``: an int8 copy of the head bounds every logit; the few columns whose bound reaches the best are
+#   computed exactly, by ``fw``'s tile on its blocks: the token ``logits`` gives where ``fw`` computes the logits.
+#   Half the bytes read, four multiply-adds to an int32 lane (AVX-512 VNNI).
+ARGMAX = kernels.Operation("dense.argmax", reference="logits")
+ARGMAX.register(kernels.Candidate("logits", _argmax_of_logits))
+ARGMAX.register(kernels.Candidate("fw-int8", _argmax_int8, supports=_has_greedy))
+
+
+def pack_argmax(weight: torch.Tensor, packed: torch.Tensor, vocab: int) -> kernels.Selection | None:
+    """The greedy argmax of the LM head ``weight`` (plain bf16 [V, K]) packed as ``packed`` (``pack_logits``),
+    chosen per row class between computing every logit and ``fw-int8``; None where only the first can run here, or
+    was chosen for every row class (the int8 copy is dropped then)."""
+    kernel = getattr(packed, "kernel", None)
+    states = [] if kernel is None else [kernel.state(name) for name in ("fw", "fw-amx")]  # one layout, "fw-tiles"
+    tiles = next((state for state in states if state is not None), None)
+    key = _key(weight)
+    if tiles is None or weight.shape[0] % COLUMNS or weight.shape[1] % 4 or not _has_greedy(key):
+        return None
+    int8 = torch.ops.fw_dense.greedy_pack(weight)
+    if not int8:  # weights that are not finite: no bound holds
+        return None
+    head = ArgmaxHead(packed, tiles, int8, vocab)
+    width = weight.shape[1]
+    selection = ARGMAX.select(key, head, lambda rows: (torch.randn(rows, width, dtype=weight.dtype),))
+    return selection if "fw-int8" in selection.names else None
 
 
 def _with_kernel(weight: torch.Tensor, op: kernels.Operation) -> torch.Tensor:

@@ -117,6 +117,10 @@ class Selection:
         run, state = self._entries[bisect.bisect_left(self._bounds, x.numel() // x.shape[-1])]
         return run(state, x, *args)
 
+    def state(self, name: str) -> Any | None:
+        """The state candidate ``name`` reads, where it runs some row class."""
+        return next((state for n, (_, state) in zip(self.names, self._entries, strict=True) if n == name), None)
+
     def replace(self, other: Selection) -> None:
         """Runs ``other``'s choice from now on: the layers that hold this selection keep holding it."""
         self.names, self.among, self._entries = other.names, other.among, other._entries

@@ -13,7 +13,7 @@ import torch
 
 from fw.interfaces.sampler import Sampler, SamplerOutput, SamplingBatch
 from fw.sdk import native_ops
-from fw.sdk.sampling_params import GREEDY_EPS
+from fw.sdk.sampling_params import GREEDY_EPS, SamplingParams
 
 
 def _row_tensor(values: list[float], like: torch.Tensor) -> torch.Tensor:
@@ -187,6 +187,12 @@ class DefaultSampler(Sampler):
     def constrain(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Subclasses mask tokens here (structured output); runs before temperature and truncation."""
         return logits
+
+    def argmax_suffices(self, request_ids: list[str], params: list[SamplingParams]) -> bool:
+        """Greedy rows with no logprobs, penalties, logit bias or min_tokens (subclasses that ``constrain`` say
+        more)."""
+        return all(p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.frequency_penalty
+                   and not p.presence_penalty and not p.logit_bias and not p.min_tokens for p in params)
 
     def _shaped(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The logits the argmax and the temperature see: penalties, logit bias, min_tokens, ``constrain``."""

@@ -151,6 +151,9 @@ class OutlinesSampler(DefaultSampler):
         reasoning = _Reasoning(constraint.reasoning_end, tokenizer) if constraint.reasoning_end else None
         self._requests[request_id] = _Constraint(compilation, tokenizer.eos_token_id, reasoning)
 
+    def argmax_suffices(self, request_ids: list[str], params: list[SamplingParams]) -> bool:
+        return not any(r in self._requests for r in request_ids) and super().argmax_suffices(request_ids, params)
+
     def is_ready(self, request_id: str) -> bool:
         constraint = self._requests.get(request_id)
         return constraint is None or constraint.compilation.future.done()
