@@ -120,7 +120,6 @@ def test_steps_verifying_speculative_drafts_replay_and_give_the_eager_tokens(bf1
 
 
 def test_a_step_the_tracer_cannot_record_runs_eagerly_and_other_shapes_still_replay(bf16_llama, monkeypatch, caplog):
-
     trace = torch.jit.trace
 
     def fails_at_three_requests(step, inputs, **kwargs):  # as oneDNN's prepacked weights, where chosen
@@ -134,4 +133,31 @@ def test_a_step_the_tracer_cannot_record_runs_eagerly_and_other_shapes_still_rep
     assert graphs.off is None and (3, 3) not in graphs.replayed and graphs.replayed[1, 1] > 0
     assert graphs.untraced == {(3, 3): "tracing the step failed (RuntimeError: Unsupported value kind: Tensor)"}
     assert "decode steps of 3 requests and 3 tokens run eagerly: tracing the step failed" in caplog.text
+    assert tokens == _eager(bf16_llama)
+
+
+def test_sizes_whose_chosen_kernels_a_trace_cannot_hold_are_not_traced(bf16_llama, monkeypatch, caplog):
+    """oneDNN's prepacked weights, chosen (here by hand) for 3 rows and more: those steps run eagerly without a trace
+    tried, said at INFO with the kernel named; one-request steps still replay; the tokens are the eager engine's."""
+    from fw.sdk import dense, kernels
+
+    def onednn_above_two_rows(key, weight, sample):
+        names = tuple("onednn" if rows > 2 else "fw" for rows in dense.LINEAR.rows)
+        return dense.LINEAR._build(key, weight, names, {c.name: c for c in dense.LINEAR.supported(key)})
+
+    traced, trace = [], torch.jit.trace
+
+    def counted(step, inputs, **kwargs):
+        traced.append(len(inputs[0]))
+        return trace(step, inputs, **kwargs)
+
+    monkeypatch.setattr(dense.LINEAR, "select", onednn_above_two_rows)
+    monkeypatch.setattr(torch.jit, "trace", counted)
+    with caplog.at_level(logging.INFO, logger="fw.decode_graph"):
+        tokens, graphs = _run(bf16_llama)
+    why = "the kernels chosen for 3 rows (dense.linear/onednn) are not traceable"
+    assert graphs.off is None and graphs.untraced == {(3, 3): why} and graphs.replayed[1, 1] > 0
+    assert 3 not in traced and f"decode steps of 3 requests and 3 tokens run eagerly: {why}" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert kernels.untraceable(graphs.runner.model, 1) == []
     assert tokens == _eager(bf16_llama)

@@ -14,9 +14,10 @@ A graph is right only if the step's ops depend on nothing but those inputs. Thre
   the tracer cannot record.
 - A new graph's first replay runs beside the eager step, and the two must give the same hidden states, bit for bit.
 After a failure every decode step runs eagerly, with one warning (the next size would fail alike), except when the
-tracer cannot record an op: kernel choice picks kernels per row count, and a candidate a trace cannot hold (oneDNN's
-prepacked weights) is chosen at the captured sizes only where it times far faster (``fw.sdk.kernels.CAPTURED_ROWS``),
-so only that shape stays eager, and the others still replay.
+tracer cannot record an op: only that shape stays eager, and the others still replay. Kernel choice picks kernels per
+row count, and a candidate a trace cannot hold (oneDNN's prepacked weights) is chosen at the captured sizes only
+where it times far faster (``fw.sdk.kernels.CAPTURED_ROWS``): the sizes it runs are not traced at all, and say so
+at INFO (``fw.sdk.kernels.untraceable``), since they run eagerly by that choice.
 ``--enforce-eager`` turns capturing off.
 """
 
@@ -105,6 +106,11 @@ class DecodeGraphs:
             if not self.runner.attention.supports_decode_graphs():
                 self._stop(f"the attention backend {type(self.runner.attention).__name__} does not support them",
                            logging.INFO)
+                return None
+            if held := kernels.untraceable(self.runner.model, size[1]):  # chosen, for their speed, knowing this
+                self._state[size] = _EAGER
+                self.untraced[size] = why = f"the kernels chosen for {size[1]} rows ({', '.join(held)}) are not traceable"
+                logger.info("decode steps of %d requests and %d tokens run eagerly: %s", *size, why)
                 return None
             return self._capture(batch, inputs)
         return self._check(batch, inputs)

@@ -117,6 +117,10 @@ class Selection:
         run, state = self._entries[bisect.bisect_left(self._bounds, x.numel() // x.shape[-1])]
         return run(state, x, *args)
 
+    def name_for(self, rows: int) -> str:
+        """The candidate that runs an input of ``rows`` rows."""
+        return self.names[bisect.bisect_left(self._bounds, rows)]
+
     def state(self, name: str) -> Any | None:
         """The state candidate ``name`` reads, where it runs some row class."""
         return next((state for n, (_, state) in zip(self.names, self._entries, strict=True) if n == name), None)
@@ -506,6 +510,20 @@ def refresh() -> bool:
 def operations() -> dict[str, Operation]:
     """Every operation defined so far (the core's, and those of the plugins imported)."""
     return dict(_OPERATIONS)
+
+
+def untraceable(module: torch.nn.Module, rows: int) -> list[str]:
+    """``op/candidate`` of each choice held under ``module`` (by a layer, its weights or its quant method) that runs
+    inputs of ``rows`` rows with a candidate a trace cannot hold: a decode step of that many tokens runs eagerly."""
+    found: set[str] = set()
+    for layer in module.modules():
+        for held in (*vars(layer).values(), *layer._parameters.values(), *layer._buffers.values()):
+            selection = held if isinstance(held, Selection) else getattr(held, "kernel", None)
+            if isinstance(selection, Selection):
+                name = selection.name_for(rows)
+                if not _OPERATIONS[selection.op].candidates[name].traceable:
+                    found.add(f"{selection.op}/{name}")
+    return sorted(found)
 
 
 def chosen() -> dict[str, dict[str, dict[int, str]]]:
