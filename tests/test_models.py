@@ -171,6 +171,18 @@ def test_prefill_and_decode_match_transformers_bf16(checkpoint, arch):
     assert mean_diff < BF16_MEAN_TOL
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_greedy_tokens_are_the_argmax_of_the_logits(checkpoint, arch):
+    """A model's greedy_tokens, where it gives them (a bf16 head with dense.argmax's int8 bound, on CPUs with VNNI),
+    are each row's argmax of its compute_logits: what the sampler would take."""
+    with torch.no_grad():
+        model = load_ours(checkpoint(arch), torch.bfloat16)
+        hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+        tokens = model.greedy_tokens(hidden)
+        if tokens is not None:
+            assert torch.equal(tokens, model.compute_logits(hidden).argmax(dim=-1))
+
+
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM"])
 def test_chunked_prefill_matches_one_shot(checkpoint, arch):
     model = load_ours(checkpoint(arch))

@@ -311,3 +311,6 @@ class DeepseekMTP(DeepseekV3ForCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.layer.shared_head.head(self.layer.shared_head.norm(hidden))
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.layer.shared_head.head.greedy(self.layer.shared_head.norm(hidden))
