@@ -432,6 +432,8 @@ def test_a_head_that_is_not_finite_has_no_int8_copy():
     assert len(torch.ops.fw_dense.greedy_pack(w)) == 3
     w[5, 2] = float("inf")
     assert torch.ops.fw_dense.greedy_pack(w) == []
+    w = torch.full((32, 8), 1e38, dtype=torch.bfloat16)  # finite, but a column's 1-norm is not, in float32
+    assert torch.ops.fw_dense.greedy_pack(w) == []
 
 
 def test_greedy_decoding_skips_the_logits_and_gives_their_tokens(greedy_head, tmp_path, monkeypatch):
@@ -463,3 +465,23 @@ def test_greedy_decoding_skips_the_logits_and_gives_their_tokens(greedy_head, tm
     head, calls, logits, _ = run("logits")
     assert head.argmax is None and calls  # the int8 copy is not kept where nothing chose it
     assert int8 == logits
+
+
+def test_greedy_head_defers_to_the_logits_where_they_take_another_kernel(greedy_head, monkeypatch):
+    """fw-int8's exact columns are fw's sums: for a row class whose logits another kernel computes (fw-plain here;
+    fw-amx adds its pairs in the other order), dense.argmax takes those logits' argmax, so a greedy row's token does
+    not depend on whether its step skipped the logits."""
+    w = (0.1 * torch.randn(96, 64, generator=torch.Generator().manual_seed(0))).bfloat16()
+    usable = {c.name: c for c in dense.LOGITS.supported(dense._key(w))}
+    names = tuple("fw-plain" if rows == 1 else "fw" for rows in dense.LOGITS.rows)
+    selection = dense.LOGITS._build(dense._key(w), w, names, usable)
+    tiles = selection.state("fw")
+    tiles.kernel = selection
+    head = dense.ArgmaxHead(tiles, tiles, torch.ops.fw_dense.greedy_pack(w), 96)
+    deferred = []
+    of_logits = dense._argmax_of_logits
+    monkeypatch.setattr(dense, "_argmax_of_logits", lambda h, x: deferred.append(len(x)) or of_logits(h, x))
+    for rows in (1, 8):
+        x = torch.randn(rows, 64).bfloat16()
+        assert torch.equal(dense._argmax_int8(head, x), of_logits(head, x))
+    assert deferred == [1]

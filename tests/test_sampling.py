@@ -312,3 +312,22 @@ def test_every_eos_id_of_the_model_stops_generation(tmp_path):
     assert out.token_ids == [300] and out.finish_reason == "stop"
     kept = llm.generate(["Hi"], SamplingParams(temperature=0, max_tokens=3, logit_bias={300: 100}, ignore_eos=True))
     assert kept[0].outputs[0].token_ids == [300, 300, 300]
+
+
+def test_the_default_sampler_lets_plain_greedy_rows_skip_the_logits_and_a_subclass_must_say_so():
+    """argmax_suffices: greedy rows with nothing that reads or changes their logits; a subclass that masks
+    (``constrain``) or samples its own way keeps the logits unless it says otherwise."""
+    default = sampler.DefaultSampler()
+    plain = SamplingParams(temperature=0)
+    assert default.argmax_suffices(["a", "b"], [plain, plain])
+    for other in (SamplingParams(temperature=0.7), SamplingParams(temperature=0, logprobs=1),
+                  SamplingParams(temperature=0, repetition_penalty=1.2), SamplingParams(temperature=0, presence_penalty=1),
+                  SamplingParams(temperature=0, frequency_penalty=1), SamplingParams(temperature=0, logit_bias={3: 1.0}),
+                  SamplingParams(temperature=0, min_tokens=2)):
+        assert not default.argmax_suffices(["a", "b"], [plain, other]), other
+
+    class Masking(sampler.DefaultSampler):
+        def constrain(self, logits, batch):
+            return logits
+
+    assert not Masking().argmax_suffices(["a"], [plain])

@@ -415,7 +415,7 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& tiles, const at::T
               tiles.is_contiguous(), "bad head");
   const int64_t M = x.size(0), K = x.size(1), V = tiles.size(0) * kCols;
   TORCH_CHECK(K % kQ8Quad == 0 && K <= 65536 && tiles.size(1) * 2 == K && q8.numel() == V * K && scales.numel() == 4 * V &&
-              qsum.numel() == V && vocab <= V, "the packed head and x disagree");
+              qsum.numel() == V && vocab > 0 && vocab <= V, "the packed head and x disagree");
   auto xc = x.contiguous();
   auto tokens = at::empty({M}, x.options().dtype(at::kLong));
   if (M == 0) return tokens;
@@ -433,11 +433,11 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& tiles, const at::T
       peak = std::max(peak, v);
     }
     every[m] = !finite;
-    const float scale = finite && peak > 0 ? peak / 127 : 0, inv = scale > 0 ? 127 / peak : 0;
+    const float scale = finite && peak > 0 ? peak / 127 : 0;
     double h1 = 0, h2 = 0, d2 = 0;  // in integers and doubles: no rounding worth a margin
     for (int64_t k = 0; k < K; ++k) {
       const float v = fw::f32(row[k]);
-      const int q = finite ? std::clamp(static_cast<int>(std::nearbyint(v * inv)), -127, 127) : 0;
+      const int q = scale > 0 ? std::clamp(static_cast<int>(std::nearbyint(v / scale)), -127, 127) : 0;
       xu[m * K + k] = static_cast<uint8_t>(q + 128);
       const double d = double(v) - double(scale) * q;
       h1 += std::abs(q), h2 += double(q) * q, d2 += d * d;
@@ -498,7 +498,7 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& tiles, const at::T
 
 // The int8 head greedy_head reads, from the plain bf16 head [V, K] (V a multiple of 16, K of 4): q8 [V / 16, K / 4,
 // 16, 4], per column [4, V] s_j = max|w_j| / 127, |dw_j|_2, |w_j|_1, |w_j|_2 (dw_j = w_j - s_j q_j; the norms in
-// double, rounded up), and qsum [V]. Empty tensors where a weight is not finite.
+// double, rounded up), and qsum [V]. Empty where a weight, or a column's norm in float32, is not finite.
 std::vector<at::Tensor> greedy_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "a bf16 [V, K] head");
   const auto w = weight.contiguous();
@@ -535,6 +535,7 @@ std::vector<at::Tensor> greedy_pack(const at::Tensor& weight) {
       const double up = 1 + 1e-6;
       tp[j] = s, tp[V + j] = float(std::sqrt(d2) * up), tp[2 * V + j] = float(w1 * up);
       tp[3 * V + j] = float(std::sqrt(w2) * up), sp[j] = static_cast<int32_t>(total);
+      if (!std::isfinite(tp[2 * V + j]) || !std::isfinite(tp[3 * V + j])) finite = false;  // a bound of 0 * inf
     }
   });
   if (!finite) return {};

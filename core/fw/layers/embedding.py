@@ -75,7 +75,8 @@ class ParallelLMHead(VocabParallelEmbedding):
                 del self.weight
             return
         packed = dense.pack_logits(self.weight)
-        self.argmax = dense.pack_argmax(self.weight, packed, self.num_embeddings)
+        if self.tp.world_size == 1:  # a shard's argmax is not the vocabulary's
+            self.argmax = dense.pack_argmax(self.weight, packed, self.num_embeddings)
         if packed is self.weight:
             return
         if self.tied:  # the embedding lookup needs the plain table: the head keeps a packed copy
@@ -97,6 +98,4 @@ class ParallelLMHead(VocabParallelEmbedding):
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Each row's argmax of ``forward(hidden)``, int64 [N], by the kernel chosen for it (``dense.argmax``);
         None where this head has no such choice (quantized, sharded, off the CPU)."""
-        if self.argmax is None or self.tp.world_size > 1:
-            return None
-        return self.argmax(hidden)
+        return None if self.argmax is None else self.argmax(hidden)

@@ -189,6 +189,11 @@ def _argmax_of_logits(head: ArgmaxHead, x: torch.Tensor) -> torch.Tensor:
 
 
 def _argmax_int8(head: ArgmaxHead, x: torch.Tensor) -> torch.Tensor:
+    """The exact columns are ``fw``'s sums: where the logits take another kernel for these rows (``fw-amx``'s adds
+    its pairs in the other order), their argmax is taken, so a row's token never depends on which path ran."""
+    kernel = getattr(head.packed, "kernel", None)
+    if kernel is None or kernel.name_for(x.shape[0]) != "fw":
+        return _argmax_of_logits(head, x)
     return torch.ops.fw_dense.greedy_head(x, head.tiles, head.q8, head.terms, head.sums, head.vocab)
 
 

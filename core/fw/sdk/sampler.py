@@ -183,16 +183,22 @@ def with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list) -> Samp
     return out
 
 
+def plain_greedy(params: list[SamplingParams]) -> bool:
+    """Greedy rows whose token is the argmax of their raw logits: no logprobs, penalties, logit bias or min_tokens."""
+    return all(p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.frequency_penalty
+               and not p.presence_penalty and not p.logit_bias and not p.min_tokens for p in params)
+
+
 class DefaultSampler(Sampler):
     def constrain(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Subclasses mask tokens here (structured output); runs before temperature and truncation."""
         return logits
 
     def argmax_suffices(self, request_ids: list[str], params: list[SamplingParams]) -> bool:
-        """Greedy rows with no logprobs, penalties, logit bias or min_tokens (subclasses that ``constrain`` say
-        more)."""
-        return all(p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.frequency_penalty
-                   and not p.presence_penalty and not p.logit_bias and not p.min_tokens for p in params)
+        """``plain_greedy`` rows, where ``constrain`` and ``sample`` are these: a subclass that changes either says
+        for itself (the outlines sampler does), else its rows keep the logits."""
+        own = type(self).constrain is DefaultSampler.constrain and type(self).sample is DefaultSampler.sample
+        return own and plain_greedy(params)
 
     def _shaped(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The logits the argmax and the temperature see: penalties, logit bias, min_tokens, ``constrain``."""

@@ -49,7 +49,7 @@ import outlines_core
 import torch
 
 from fw.interfaces.sampler import RequestError
-from fw.sdk.sampler import DefaultSampler
+from fw.sdk.sampler import DefaultSampler, plain_greedy
 from fw.sdk.workers import WorkerError, WorkerPool
 from fw_sampler_outlines.constraints import check_regex, check_size, choice_regex, json_object_regex, schema_regex
 from fw_sampler_outlines.spec import OutlinesOptions
@@ -152,7 +152,7 @@ class OutlinesSampler(DefaultSampler):
         self._requests[request_id] = _Constraint(compilation, tokenizer.eos_token_id, reasoning)
 
     def argmax_suffices(self, request_ids: list[str], params: list[SamplingParams]) -> bool:
-        return not any(r in self._requests for r in request_ids) and super().argmax_suffices(request_ids, params)
+        return not any(r in self._requests for r in request_ids) and plain_greedy(params)
 
     def is_ready(self, request_id: str) -> bool:
         constraint = self._requests.get(request_id)
