@@ -114,12 +114,15 @@ class Selection:
     _entries: list[tuple[Callable[..., torch.Tensor], Any]] = field(repr=False)
 
     def __call__(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
-        run, state = self._entries[bisect.bisect_left(self._bounds, x.numel() // x.shape[-1])]
+        run, state = self._entries[self._row_class(x.numel() // x.shape[-1])]
         return run(state, x, *args)
 
     def name_for(self, rows: int) -> str:
         """The candidate that runs an input of ``rows`` rows."""
-        return self.names[bisect.bisect_left(self._bounds, rows)]
+        return self.names[self._row_class(rows)]
+
+    def _row_class(self, rows: int) -> int:
+        return bisect.bisect_left(self._bounds, rows)
 
     def state(self, name: str) -> Any | None:
         """The state candidate ``name`` reads, where it runs some row class."""
