@@ -370,11 +370,28 @@ def _close_columns(gen, vocab, width, copies):
     return w.bfloat16(), src
 
 
+# greedy_head's int8 sums (VNNI or AMX-INT8 tiles) and the logits kernel whose sums it matches (fw's or fw-amx's).
+_GREEDY_PATHS = [(False, False), (True, False), (False, True), (True, True)]
+
+
+def _greedy_path(greedy_head, width, amx_bounds, amx_exact):
+    """The logits kernel greedy_head must match on this path, or a skip naming what this machine lacks."""
+    if (amx_bounds or amx_exact) and not torch.ops.fw_dense.greedy_amx_supported():
+        pytest.skip("no AMX-INT8 and AMX-BF16 tiles here: dense.argmax's fw-amx-int8 and fw-amx logits cannot run")
+    if (amx_bounds and width % 64) or (amx_exact and width % dense.AMX_DEPTH):
+        pytest.skip(f"AMX tiles take 64 (int8) and 32 (bf16) input features at a time, not {width}")
+    return torch.ops.fw_dense.amx_linear if amx_exact else torch.ops.fw_dense.linear
+
+
+@pytest.mark.parametrize(("amx_bounds", "amx_exact"), _GREEDY_PATHS)
 @pytest.mark.parametrize(("vocab", "width", "rows"), [(4096, 896, 1), (4096, 896, 3), (4096, 896, 8), (4096, 896, 17),
-                                                       (4096, 896, 33), (160, 68, 5), (48, 4, 2)])
-def test_greedy_head_is_the_argmax_of_the_fw_kernels_logits(greedy_head, vocab, width, rows):
-    """dense.argmax's fw-int8: int8 bounds, then the exact logits of the columns they leave, the token of the full
-    logits bit for bit, where near-copies of columns make the bounds leave many and exact copies tie."""
+                                                       (4096, 896, 33), (160, 68, 5), (160, 64, 40), (48, 4, 2)])
+def test_greedy_head_is_the_argmax_of_the_logits_kernels_logits(greedy_head, vocab, width, rows, amx_bounds,
+                                                                  amx_exact):
+    """dense.argmax's fw-int8 and fw-amx-int8: int8 bounds, then the exact logits of the blocks they leave, the token
+    of the full logits of the kernel that computes them (fw's or fw-amx's, which add a column's products in other
+    orders) bit for bit, where near-copies of columns make the bounds leave many and exact copies tie."""
+    logits_kernel = _greedy_path(greedy_head, width, amx_bounds, amx_exact)
     gen = torch.Generator().manual_seed(vocab + width + rows)
     w, src = _close_columns(gen, vocab, width, copies=vocab // 4)
     tiles = dense._fw_tiles(w)
@@ -384,12 +401,14 @@ def test_greedy_head_is_the_argmax_of_the_fw_kernels_logits(greedy_head, vocab, 
         if trial % 2:  # rows aimed at the near-copied columns: their logits lead, and the copies with them
             x = w[src[torch.randint(0, len(src), (rows,), generator=gen)]].float() * 40 + 0.1 * x
         x = x.bfloat16()
-        logits = torch.ops.fw_dense.linear(x, tiles, None, True)
+        logits = logits_kernel(x, tiles, None, True)
         for limit in (vocab, vocab - 5):  # the head's padding rows are no tokens
-            assert torch.equal(greedy_head(x, tiles, q8, terms, sums, limit), logits[:, :limit].argmax(dim=-1)), trial
+            tokens = greedy_head(x, tiles, q8, terms, sums, limit, amx_bounds, amx_exact)
+            assert torch.equal(tokens, logits[:, :limit].argmax(dim=-1)), trial
 
 
-def test_greedy_head_keeps_a_column_its_int8_estimate_puts_a_bound_width_behind(greedy_head):
+@pytest.mark.parametrize("amx_bounds", [False, True])
+def test_greedy_head_keeps_a_column_its_int8_estimate_puts_a_bound_width_behind(greedy_head, amx_bounds):
     """The bound taken as tight as it gets: x all ones, column A's rounding errors all +3/8 of its int8 step (its
     estimate that much low) and B's all -3/8 (that much high), so that B's estimate leads A's by 47 steps while A's
     logit leads B's by a quarter step. A bound 3% narrower than the kernel's would leave A out."""
@@ -402,14 +421,16 @@ def test_greedy_head_keeps_a_column_its_int8_estimate_puts_a_bound_width_behind(
     w = w.bfloat16()
     tiles = dense._fw_tiles(w)
     x = torch.ones(1, 64, dtype=torch.bfloat16)
-    logits = torch.ops.fw_dense.linear(x, tiles, None, True)
+    logits = _greedy_path(greedy_head, 64, amx_bounds, False)(x, tiles, None, True)
     assert logits[0].argmax() == 5 and logits[0, 5] - logits[0, 2] == pytest.approx(step / 4)
-    assert greedy_head(x, tiles, *torch.ops.fw_dense.greedy_pack(w), 16).tolist() == [5]
+    assert greedy_head(x, tiles, *torch.ops.fw_dense.greedy_pack(w), 16, amx_bounds).tolist() == [5]
 
 
-def test_greedy_head_rows_that_bound_nothing(greedy_head):
+@pytest.mark.parametrize(("amx_bounds", "amx_exact"), _GREEDY_PATHS)
+def test_greedy_head_rows_that_bound_nothing(greedy_head, amx_bounds, amx_exact):
     """Rows of zeros (every logit ties at 0: the first column), and rows with a NaN or an infinity, which no bound
     holds for: every column is computed, and the token is torch's argmax of the logits (a NaN first)."""
+    logits_kernel = _greedy_path(greedy_head, 64, amx_bounds, amx_exact)
     gen = torch.Generator().manual_seed(0)
     w = (0.05 * torch.randn(256, 64, generator=gen)).bfloat16()
     tiles = dense._fw_tiles(w)
@@ -418,8 +439,9 @@ def test_greedy_head_rows_that_bound_nothing(greedy_head):
     x[1, 7] = float("nan")
     x[2, 3] = float("inf")
     x[3, 0] = 3e38  # finite, beyond what a bound is taken for
-    expected = torch.ops.fw_dense.linear(x, tiles, None, True).argmax(dim=-1)
-    assert torch.equal(greedy_head(x, tiles, *torch.ops.fw_dense.greedy_pack(w), 256), expected)
+    expected = logits_kernel(x, tiles, None, True).argmax(dim=-1)
+    tokens = greedy_head(x, tiles, *torch.ops.fw_dense.greedy_pack(w), 256, amx_bounds, amx_exact)
+    assert torch.equal(tokens, expected)
     assert expected[0] == 0
 
 
@@ -468,9 +490,9 @@ def test_greedy_decoding_skips_the_logits_and_gives_their_tokens(greedy_head, tm
 
 
 def test_greedy_head_defers_to_the_logits_where_they_take_another_kernel(greedy_head, monkeypatch):
-    """fw-int8's exact columns are fw's sums: for a row class whose logits another kernel computes (fw-plain here;
-    fw-amx adds its pairs in the other order), dense.argmax takes those logits' argmax, so a greedy row's token does
-    not depend on whether its step skipped the logits."""
+    """The int8 candidates' exact columns are fw's or fw-amx's sums: for a row class whose logits another kernel
+    computes (fw-plain here), dense.argmax takes those logits' argmax, so a greedy row's token does not depend on
+    whether its step skipped the logits."""
     w = (0.1 * torch.randn(96, 64, generator=torch.Generator().manual_seed(0))).bfloat16()
     usable = {c.name: c for c in dense.LOGITS.supported(dense._key(w))}
     names = tuple("fw-plain" if rows == 1 else "fw" for rows in dense.LOGITS.rows)
@@ -483,5 +505,5 @@ def test_greedy_head_defers_to_the_logits_where_they_take_another_kernel(greedy_
     monkeypatch.setattr(dense, "_argmax_of_logits", lambda h, x: deferred.append(len(x)) or of_logits(h, x))
     for rows in (1, 8):
         x = torch.randn(rows, 64).bfloat16()
-        assert torch.equal(dense._argmax_int8(head, x), of_logits(head, x))
+        assert torch.equal(dense.ARGMAX.candidates["fw-int8"].run(head, x), of_logits(head, x))
     assert deferred == [1]

@@ -276,19 +276,22 @@ def _dense_examples(op):
 
 
 def _argmax_examples(op):
-    """LM heads (their padding rows no tokens), with the layouts pack_argmax reads: the logits by ``fw`` at every
-    row class where this CPU has it (fw-int8's tokens are those of fw's logits), else the plain weight widened."""
+    """LM heads (their padding rows no tokens), with the layouts pack_argmax reads: the logits by ``fw``, and by
+    ``fw-amx``, at every row class where this CPU has them (the int8 candidates' tokens are those of the logits'
+    kernel), else the plain weight widened."""
     gen = torch.Generator().manual_seed(0)
     for vocab, width, tokens in ((96, 64, 96), (160, 68, 150)):
         w = (0.1 * torch.randn(vocab, width, generator=gen)).bfloat16()
         usable = {c.name: c for c in dense.LOGITS.supported(dense._key(w))}
-        packed, copy = w, [None] * 3  # without fw only 'logits' runs, which reads no int8 copy
-        if "fw" in usable:
-            selection = dense.LOGITS._build(dense._key(w), w, ("fw",) * len(dense.LOGITS.rows), usable)
-            packed, copy = selection.states[0], torch.ops.fw_dense.greedy_pack(w)
-            packed.kernel = selection
-        head = dense.ArgmaxHead(packed, dense._fw_tiles(w), copy, tokens)
-        yield head, (lambda rows, n=width: (torch.randn(rows, n, generator=gen).bfloat16(),)), ()
+        kernels_here = [name for name in ("fw", "fw-amx") if name in usable]
+        for name in kernels_here or [None]:
+            packed, copy = w, [None] * 3  # without fw only 'logits' runs, which reads no int8 copy
+            if name is not None:
+                selection = dense.LOGITS._build(dense._key(w), w, (name,) * len(dense.LOGITS.rows), usable)
+                packed, copy = selection.states[0], torch.ops.fw_dense.greedy_pack(w)
+                packed.kernel = selection
+            head = dense.ArgmaxHead(packed, dense._fw_tiles(w), copy, tokens)
+            yield head, (lambda rows, n=width: (torch.randn(rows, n, generator=gen).bfloat16(),)), ()
 
 
 def _gguf_examples(op):

@@ -275,10 +275,11 @@ at::Tensor plain_linear(const at::Tensor& x, const at::Tensor& weight, const c10
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 // Greedy decoding reads one thing of the LM head's logits: each row's largest. So it need not compute them all in
 // bf16: an int8 copy of the head (a scale per column) gives every logit within a bound that holds whatever the
-// values, and only the columns whose upper bound reaches the best lower bound can be the argmax. Those are computed
-// as `linear` computes them (the same tile on the same pair-interleaved block: every lane's sums in the same order),
-// so the token is the argmax of `linear`'s logits, bit for bit, while the head's bytes read are halved (decode is
-// memory-bound) and its multiply-adds run four to an int32 lane (AVX-512 VNNI).
+// values, and only the columns whose upper bound reaches the best lower bound can be the argmax. Their blocks of 16
+// are computed as the logits' kernel computes them (`linear`'s tile, or `amx_linear`'s, on the same pair-interleaved
+// block: every lane's sums in the same order), so the token is the argmax of those logits, bit for bit, while the
+// head's bytes read are halved (decode is memory-bound) and its multiply-adds run four to an int32 lane (AVX-512
+// VNNI), or on AMX-INT8 tiles.
 //
 // The bound of logit j, x . w_j against its int8 estimate a_j = s_x s_j (q_x . q_j): with x = h + dx (h = s_x q_x)
 // and w_j = s_j q_j + dw_j, x . w_j - a_j = h . dw_j + dx . w_j, so it is at most
@@ -300,7 +301,7 @@ struct Greedy {
   const int8_t* q8;   // [V / 16, K / 4, 16, 4]: the head's int8 columns, 16 to a block, 4 input features a lane
   const float* s;     // [4, V]: s_j, |dw_j|_2, |w_j|_1, |w_j|_2
   const int32_t* qsum;  // [V] sum of q_j: the + 128 taken off again
-  float* upper;       // [M, V]: a_j + bound
+  float* upper;       // [M, V / 16]: per block, the largest a_j + bound of its columns
   int64_t M, K, V, vocab;
   float rounding;     // 127 K 2^-24, with margin: the float32 sums' share, per s_j |x|_1
 };
@@ -343,34 +344,38 @@ void greedy_sums(const Greedy& g, int64_t m0, int64_t first, const int8_t* ahead
     for (int j = 0; j < NB; ++j) _mm512_storeu_si512(sums + (m * NB + j) * kCols, reinterpret_cast<__m512i>(acc[m][j]));
 }
 
-// Rows m0 .. m0 + MR of x against NB blocks from `first`: upper bounds stored, each row's largest lower bound kept
-// in lower[m] (16 lanes).
+// The bounds of block `block`'s 16 columns for rows m0 .. m0 + rows of x, from their int32 sums (row m's at
+// sums + m * ld): the block's largest upper bound stored, each row's largest lower bound kept in lower[m] (16 lanes).
+inline void greedy_block_bounds(const Greedy& g, int64_t m0, int64_t rows, int64_t block, const int32_t* sums,
+                                int64_t ld, __m512* lower) {
+  const __m512 half = _mm512_set1_ps(0.5f), rel = _mm512_set1_ps(1 + 1e-4f), of_a = _mm512_set1_ps(1e-6f);
+  const __m512 floor = _mm512_set1_ps(1e-20f), none = _mm512_set1_ps(-INFINITY);
+  const int64_t col = block * kCols;
+  const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(g.qsum + col), 7);
+  const __m512 s = _mm512_loadu_ps(g.s + col), dw2 = _mm512_loadu_ps(g.s + g.V + col);
+  const __m512 w1 = _mm512_loadu_ps(g.s + 2 * g.V + col), w2 = _mm512_loadu_ps(g.s + 3 * g.V + col);
+  const __mmask16 real = col + kCols <= g.vocab ? 0xFFFF : (col >= g.vocab ? 0 : (1u << (g.vocab - col)) - 1);
+  for (int64_t m = 0; m < rows; ++m) {
+    const GreedyRow& r = g.rows[m0 + m];
+    const __m512 sx = _mm512_set1_ps(r.sx);
+    const __m512i sum = _mm512_loadu_si512(sums + m * ld);
+    const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum, offset)), _mm512_mul_ps(s, sx));
+    const __m512 t1 = _mm512_min_ps(_mm512_mul_ps(_mm512_mul_ps(half, s), _mm512_set1_ps(r.h1)),
+                                    _mm512_mul_ps(dw2, _mm512_set1_ps(r.h2)));
+    const __m512 t2 = _mm512_min_ps(_mm512_mul_ps(_mm512_mul_ps(half, sx), w1), _mm512_mul_ps(w2, _mm512_set1_ps(r.dx2)));
+    __m512 e = _mm512_fmadd_ps(s, _mm512_set1_ps(g.rounding * r.x1), _mm512_add_ps(t1, t2));
+    e = _mm512_add_ps(_mm512_fmadd_ps(e, rel, floor), _mm512_mul_ps(_mm512_abs_ps(a), of_a));
+    g.upper[(m0 + m) * (g.V / kCols) + block] = _mm512_reduce_max_ps(_mm512_mask_blend_ps(real, none, _mm512_add_ps(a, e)));
+    lower[m0 + m] = _mm512_max_ps(lower[m0 + m], _mm512_mask_blend_ps(real, none, _mm512_sub_ps(a, e)));
+  }
+}
+
+// Rows m0 .. m0 + MR of x against NB blocks from `first`, through VNNI.
 template <int MR, int NB>
 void greedy_bounds(const Greedy& g, int64_t m0, int64_t first, const int8_t* ahead, int64_t stride, __m512* lower) {
   alignas(64) int32_t sums[MR * NB * kCols];
   greedy_sums<MR, NB>(g, m0, first, ahead, stride, sums);
-  const __m512 half = _mm512_set1_ps(0.5f), rel = _mm512_set1_ps(1 + 1e-4f), of_a = _mm512_set1_ps(1e-6f);
-  const __m512 floor = _mm512_set1_ps(1e-20f), none = _mm512_set1_ps(-INFINITY);
-  for (int j = 0; j < NB; ++j) {
-    const int64_t col = (first + j) * kCols;
-    const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(g.qsum + col), 7);
-    const __m512 s = _mm512_loadu_ps(g.s + col), dw2 = _mm512_loadu_ps(g.s + g.V + col);
-    const __m512 w1 = _mm512_loadu_ps(g.s + 2 * g.V + col), w2 = _mm512_loadu_ps(g.s + 3 * g.V + col);
-    const __mmask16 real = col + kCols <= g.vocab ? 0xFFFF : (col >= g.vocab ? 0 : (1u << (g.vocab - col)) - 1);
-    for (int m = 0; m < MR; ++m) {
-      const GreedyRow& r = g.rows[m0 + m];
-      const __m512 sx = _mm512_set1_ps(r.sx);
-      const __m512i sum = _mm512_load_si512(sums + (m * NB + j) * kCols);
-      const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum, offset)), _mm512_mul_ps(s, sx));
-      const __m512 t1 = _mm512_min_ps(_mm512_mul_ps(_mm512_mul_ps(half, s), _mm512_set1_ps(r.h1)),
-                                      _mm512_mul_ps(dw2, _mm512_set1_ps(r.h2)));
-      const __m512 t2 = _mm512_min_ps(_mm512_mul_ps(_mm512_mul_ps(half, sx), w1), _mm512_mul_ps(w2, _mm512_set1_ps(r.dx2)));
-      __m512 e = _mm512_fmadd_ps(s, _mm512_set1_ps(g.rounding * r.x1), _mm512_add_ps(t1, t2));
-      e = _mm512_add_ps(_mm512_fmadd_ps(e, rel, floor), _mm512_mul_ps(_mm512_abs_ps(a), of_a));
-      _mm512_storeu_ps(g.upper + (m0 + m) * g.V + col, _mm512_mask_blend_ps(real, none, _mm512_add_ps(a, e)));
-      lower[m0 + m] = _mm512_max_ps(lower[m0 + m], _mm512_mask_blend_ps(real, none, _mm512_sub_ps(a, e)));
-    }
-  }
+  for (int j = 0; j < NB; ++j) greedy_block_bounds(g, m0, MR, first + j, sums + j * kCols, NB * kCols, lower);
 }
 
 template <int NB>
@@ -396,6 +401,52 @@ void greedy_row_tiles(const Greedy& g, int64_t first, const int8_t* ahead, __m51
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__)
+#define FW_GREEDY_AMX 1
+// The int32 sums through AMX-INT8 tiles, blocks [begin, end) two at a time: a block of q8 ([K / 4, 16, 4]) is AMX's
+// right-hand int8 layout as it stands (64 input features x 16 columns a tile, 1 KiB), x's bytes (q + 128, rows
+// padded with zeros to a multiple of 32) the left-hand one, so TDPBUSD sums the integers vpdpbusd sums. Where the
+// products run on tiles, 32 rows cost what one does and the int8 head streams at memory speed.
+void greedy_amx_bounds(const Greedy& g, int64_t Mp, int64_t begin, int64_t end, __m512* lower) {
+  fw::configure_tiles();  // C 0-3, A 4-5, B 6-7
+  alignas(64) int32_t sums[kAmxRows * 2 * kCols];  // row r of a pass, block j of the two: (r * 2 + j) * 16
+  const int64_t K = g.K, block = K * kCols, ld = 2 * kCols;
+  for (int64_t j = begin; j < end; j += 2) {
+    const bool two = j + 1 < end;
+    const int8_t* b0 = g.q8 + j * block;
+    for (int64_t m = 0; m < Mp; m += kAmxRows) {
+      const bool low = m + 16 < g.M;  // rows 16-31 of the pass hold some of x
+      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+      const uint8_t* xm = g.xu + m * K;
+      for (int64_t k = 0; k < K; k += 64) {
+        _tile_loadd(4, xm + k, K);
+        _tile_loadd(6, b0 + k * kCols, 64);
+        _tile_dpbusd(0, 4, 6);
+        if (two) {
+          _tile_loadd(7, b0 + block + k * kCols, 64);
+          _tile_dpbusd(1, 4, 7);
+        }
+        if (low) {
+          _tile_loadd(5, xm + 16 * K + k, K);
+          _tile_dpbusd(2, 5, 6);
+          if (two) _tile_dpbusd(3, 5, 7);
+        }
+      }
+      _tile_stored(0, sums, ld * 4);
+      if (two) _tile_stored(1, sums + kCols, ld * 4);
+      if (low) {
+        _tile_stored(2, sums + 16 * ld, ld * 4);
+        if (two) _tile_stored(3, sums + 16 * ld + kCols, ld * 4);
+      }
+      const int64_t rows = std::min(kAmxRows, g.M - m);
+      greedy_block_bounds(g, m, rows, j, sums, ld, lower);
+      if (two) greedy_block_bounds(g, m, rows, j + 1, sums + kCols, ld, lower);
+    }
+  }
+  _tile_release();
+}
+#endif
+
 // Whether logit v at column j beats the best so far (bv at bj), as torch's argmax orders them: a NaN first, then
 // the largest, ties to the lowest column.
 inline bool beats(float v, int64_t j, float bv, int64_t bj) {
@@ -405,10 +456,13 @@ inline bool beats(float v, int64_t j, float bv, int64_t bj) {
 #endif
 
 // x [M, K] bf16; tiles the head as `linear` reads it; q8, scales [4, V] and qsum [V] as pack_greedy in
-// fw/sdk/dense.py builds them. Returns [M] int64: each row's argmax over the first `vocab` columns of
-// linear(x, tiles, float_out=True). A row with a value that is not finite (or beyond 1e18) takes every column.
+// fw/sdk/dense.py builds them. Returns [M] int64: each row's argmax over the first `vocab` columns of the logits
+// linear(x, tiles, float_out=True) gives, or amx_linear's where `amx_exact` (each kernel adds a column's products in
+// its own order, and the columns the bounds leave are computed by the same one). `amx_bounds`: the int8 sums through
+// AMX-INT8 tiles, else AVX-512 VNNI (the same integers). A row with a value that is not finite (or beyond 1e18)
+// takes every column.
 at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& q8, const at::Tensor& scales,
-                       const at::Tensor& qsum, int64_t vocab) {
+                       const at::Tensor& qsum, int64_t vocab, bool amx_bounds, bool amx_exact) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && tiles.scalar_type() == at::kBFloat16, "bad x");
   TORCH_CHECK(q8.scalar_type() == at::kChar && q8.is_contiguous() && scales.is_contiguous() && qsum.is_contiguous() &&
@@ -416,11 +470,20 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& tiles, const at::T
   const int64_t M = x.size(0), K = x.size(1), V = tiles.size(0) * kCols;
   TORCH_CHECK(K % kQ8Quad == 0 && K <= 65536 && tiles.size(1) * 2 == K && q8.numel() == V * K && scales.numel() == 4 * V &&
               qsum.numel() == V && vocab > 0 && vocab <= V, "the packed head and x disagree");
-  auto xc = x.contiguous();
+#ifdef FW_GREEDY_AMX
+  TORCH_CHECK(!(amx_bounds || amx_exact) || fw::amx_permitted(), "fw_dense.greedy_head: no AMX tiles for this process");
+  TORCH_CHECK(!amx_bounds || K % 64 == 0, "fw_dense.greedy_head: AMX bounds need K a multiple of 64");
+  TORCH_CHECK(!amx_exact || K % kAmxDepth == 0, "fw_dense.greedy_head: AMX logits need K a multiple of 32");
+  const int64_t Mp = (M + kAmxRows - 1) / kAmxRows * kAmxRows;  // rows AMX passes read: x padded with zeros
+#else
+  TORCH_CHECK(!amx_bounds && !amx_exact, "fw_dense.greedy_head: this build has no AMX-INT8 and AMX-BF16");
+  const int64_t Mp = M;
+#endif
+  auto xc = amx_exact && Mp != M ? at::constant_pad_nd(x, {0, 0, 0, Mp - M}) : x.contiguous();
   auto tokens = at::empty({M}, x.options().dtype(at::kLong));
   if (M == 0) return tokens;
   const bf16* xp = reinterpret_cast<const bf16*>(xc.data_ptr());
-  std::vector<uint8_t> xu(M * K);
+  std::vector<uint8_t> xu((amx_bounds ? Mp : M) * K, 128);  // padding rows: q = 0
   std::vector<GreedyRow> rows(M);
   std::vector<char> every(M, 0);  // rows that take every column
   for (int64_t m = 0; m < M; ++m) {
@@ -445,7 +508,7 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& tiles, const at::T
     rows[m] = {scale, float(scale * h1), float(scale * std::sqrt(h2)), float(std::sqrt(d2) * (1 + 1e-6)),
                float(scale * (h1 + 0.5 * K))};
   }
-  auto upper = at::empty({M, V}, x.options().dtype(at::kFloat));
+  auto upper = at::empty({M, V / kCols}, x.options().dtype(at::kFloat));
   const Greedy g{xu.data(), rows.data(), q8.data_ptr<int8_t>(), scales.data_ptr<float>(), qsum.data_ptr<int32_t>(),
                  upper.data_ptr<float>(), M, K, V, vocab, float(127 * 1.05 * K * std::ldexp(1.0, -24))};
   const int64_t count = V / kCols, block = K * kCols;
@@ -453,7 +516,10 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& tiles, const at::T
   std::mutex merge;
   at::parallel_for(0, count, fw::kPairBlocks, [&](int64_t begin, int64_t end) {
     std::vector<__m512> lower(M, _mm512_set1_ps(-INFINITY));
-    for (int64_t first = begin, nb; first < end; first += nb) {
+#ifdef FW_GREEDY_AMX
+    if (amx_bounds) greedy_amx_bounds(g, Mp, begin, end, lower.data());
+#endif
+    for (int64_t first = begin, nb; !amx_bounds && first < end; first += nb) {
       nb = end - first == fw::kPairBlocks + 1 ? 2 : std::min(fw::kPairBlocks, end - first);
       const int8_t* ahead = M > 1 && first + nb + fw::kPairBlocks <= end ? g.q8 + (first + nb) * block : nullptr;
       if (nb == 3) greedy_row_tiles<3>(g, first, ahead, lower.data());
@@ -463,27 +529,55 @@ at::Tensor greedy_head(const at::Tensor& x, const at::Tensor& tiles, const at::T
     std::lock_guard<std::mutex> hold(merge);
     for (int64_t m = 0; m < M; ++m) threshold[m] = std::max(threshold[m], _mm512_reduce_max_ps(lower[m]));
   });
-  // The columns that can be the argmax, computed exactly: a block at a time, by the tile `linear` runs.
+  // The columns that can be the argmax, computed exactly: a block at a time, by the tile of the logits' kernel.
   const bf16* wp = reinterpret_cast<const bf16*>(tiles.data_ptr());
   std::vector<float> best(M, -INFINITY);
   std::vector<int64_t> at(M, INT64_MAX);
   at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> own(M, -INFINITY);
     std::vector<int64_t> own_at(M, INT64_MAX);
+    std::vector<__mmask16> open(M);
+    auto take = [&](int64_t m, int64_t col, const float* exact) {
+      for (int l = 0; l < kCols; ++l)
+        if ((open[m] >> l & 1) && beats(exact[l], col + l, own[m], own_at[m])) own[m] = exact[l], own_at[m] = col + l;
+    };
+#ifdef FW_GREEDY_AMX
+    alignas(64) float exact[kAmxRows * kCols];
+    if (amx_exact) fw::configure_tiles();
+#else
     alignas(64) float exact[kCols];
-    for (int64_t m = 0; m < M; ++m) {
-      const __m512 bar = _mm512_set1_ps(threshold[m]);
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t col = b * kCols;
-        if (col >= vocab) break;
-        __mmask16 open = col + kCols <= vocab ? 0xFFFF : (1u << (vocab - col)) - 1;
-        if (!every[m]) open &= _mm512_cmp_ps_mask(_mm512_loadu_ps(g.upper + m * V + col), bar, _CMP_GE_OQ);
-        if (!open) continue;
+#endif
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t col = b * kCols;
+      if (col >= vocab) break;
+      const __mmask16 real = col + kCols <= vocab ? 0xFFFF : (1u << (vocab - col)) - 1;
+      for (int64_t m = 0; m < M; ++m)
+        open[m] = every[m] || g.upper[m * count + b] >= threshold[m] ? real : 0;
+#ifdef FW_GREEDY_AMX
+      if (amx_exact) {  // as amx_product: 32 rows of x against the block, K in order from 0
+        for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
+          const int64_t rows_here = std::min(kAmxRows, M - m0);
+          if (std::all_of(open.begin() + m0, open.begin() + m0 + rows_here, [](__mmask16 o) { return o == 0; }))
+            continue;
+          _tile_zero(0); _tile_zero(2);
+          fw::amx_bf16_steps(xp + m0 * K, K, wp + b * block, nullptr, 0, K);
+          _tile_stored(0, exact, kCols * 4);
+          _tile_stored(2, exact + 16 * kCols, kCols * 4);
+          for (int64_t m = m0; m < m0 + rows_here; ++m)
+            if (open[m]) take(m, col, exact + (m - m0) * kCols);
+        }
+        continue;
+      }
+#endif
+      for (int64_t m = 0; m < M; ++m) {
+        if (!open[m]) continue;
         fw::pair_tile<1, 1>(xp + m * K, K, wp + b * block, K, nullptr, nullptr, exact, kCols, nullptr, 0);
-        for (int l = 0; l < kCols; ++l)
-          if ((open >> l & 1) && beats(exact[l], col + l, own[m], own_at[m])) own[m] = exact[l], own_at[m] = col + l;
+        take(m, col, exact);
       }
     }
+#ifdef FW_GREEDY_AMX
+    if (amx_exact) _tile_release();
+#endif
     std::lock_guard<std::mutex> hold(merge);
     for (int64_t m = 0; m < M; ++m)
       if (beats(own[m], own_at[m], best[m], at[m])) best[m] = own[m], at[m] = own_at[m];
@@ -551,6 +645,15 @@ bool greedy_supported() {
 #endif
 }
 
+// Whether this build's `greedy_head` takes `amx_bounds` and `amx_exact`, and the kernel grants this process AMX tiles.
+bool greedy_amx_supported() {
+#ifdef FW_GREEDY_AMX
+  return fw::amx_permitted();
+#else
+  return false;
+#endif
+}
+
 // Whether this build (for this machine's CPU) has `linear` (plain_linear runs anywhere).
 bool supported() {
 #if defined(__AVX512BF16__)
@@ -571,8 +674,10 @@ TORCH_LIBRARY(fw_dense, m) {
   m.def("amx_linear(Tensor x, Tensor weight, Tensor? bias, bool float_out=False) -> Tensor");
   m.impl("amx_linear", c10::DispatchKey::CPU, TORCH_FN(amx_linear));
   m.def("amx_supported() -> bool", TORCH_FN(amx_supported));
-  m.def("greedy_head(Tensor x, Tensor tiles, Tensor q8, Tensor scales, Tensor qsum, int vocab) -> Tensor");
+  m.def("greedy_head(Tensor x, Tensor tiles, Tensor q8, Tensor scales, Tensor qsum, int vocab, bool amx_bounds=False, "
+        "bool amx_exact=False) -> Tensor");
   m.impl("greedy_head", c10::DispatchKey::CPU, TORCH_FN(greedy_head));
   m.def("greedy_supported() -> bool", TORCH_FN(greedy_supported));
+  m.def("greedy_amx_supported() -> bool", TORCH_FN(greedy_amx_supported));
   m.def("greedy_pack(Tensor weight) -> Tensor[]", TORCH_FN(greedy_pack));
 }

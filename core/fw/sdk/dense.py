@@ -37,10 +37,13 @@ turn near-ties into exact ties): ``fw`` and ``fw-amx`` (the same kernels storing
 a time, also the path off the CPU).
 
 ``dense.argmax`` (greedy decoding's tokens, ``ModelBase.greedy_tokens``): ``logits``
-(every logit, then their argmax) or ``fw-int8`` (an int8 copy of the head bounds
-every logit, and only the columns the bounds leave are computed, by ``fw``'s
-tile: the same token). Qwen2-0.5B's head on two Zen 5 cores, one engine's steps
-in turns: 1 row 29.4 -> 25.5 ms a step, 32 rows 66.7 -> 60.7.
+(every logit, then their argmax), ``fw-int8`` (an int8 copy of the head bounds
+every logit, and only the blocks the bounds leave are computed, by the logits'
+own kernel: the same token) or ``fw-amx-int8`` (the same bounds from AMX-INT8
+tiles). Qwen2-0.5B's head on two Zen 5 cores, one engine's steps in turns: 1
+row 29.4 -> 25.5 ms a step, 32 rows 66.7 -> 60.7. On an AMX Xeon, the head
+alone from memory: 1 row 11.7 -> 5.1 ms (``fw-int8``), 32 rows 19.4 (``fw-amx``
+logits) -> 11.1 (``fw-amx-int8``).
 
 float32 weights, and weights off the CPU, stay plain with ``F.linear``.
 """
@@ -188,27 +191,41 @@ def _argmax_of_logits(head: ArgmaxHead, x: torch.Tensor) -> torch.Tensor:
     return native_ops.argmax(logits(x, head.packed)[:, : head.vocab])
 
 
-def _argmax_int8(head: ArgmaxHead, x: torch.Tensor) -> torch.Tensor:
-    """The exact columns are ``fw``'s sums: where the logits take another kernel for these rows (``fw-amx``'s adds
-    its pairs in the other order), their argmax is taken, so a row's token never depends on which path ran."""
-    kernel = getattr(head.packed, "kernel", None)
-    if kernel is None or kernel.name_for(x.shape[0]) != "fw":
-        return _argmax_of_logits(head, x)
-    return torch.ops.fw_dense.greedy_head(x, head.tiles, head.q8, head.terms, head.sums, head.vocab)
+def _greedy(amx_bounds: bool):
+    """``greedy_head`` with its int8 sums through VNNI or AMX-INT8 tiles (the same integers). The exact columns are
+    added as the kernel that computes the logits for these rows adds them (``fw``'s or ``fw-amx``'s order); where
+    another kernel does, their argmax is taken, so a row's token never depends on which path ran."""
+
+    def run(head: ArgmaxHead, x: torch.Tensor) -> torch.Tensor:
+        kernel = getattr(head.packed, "kernel", None)
+        exact = None if kernel is None else kernel.name_for(x.shape[0])
+        if exact not in ("fw", "fw-amx") or (exact == "fw-amx" and not torch.ops.fw_dense.greedy_amx_supported()):
+            return _argmax_of_logits(head, x)
+        return torch.ops.fw_dense.greedy_head(x, head.tiles, head.q8, head.terms, head.sums, head.vocab, amx_bounds,
+                                              exact == "fw-amx")
+
+    return run
 
 
 def _has_greedy(key: tuple) -> bool:
     return _has_native(key) and torch.ops.fw_dense.greedy_supported()
 
 
+def _has_greedy_amx(key: tuple) -> bool:
+    return key[1] % 64 == 0 and _has_greedy(key) and torch.ops.fw_dense.greedy_amx_supported()
+
+
 # Each row's argmax of the LM head's logits, for greedy decoding (``ModelBase.greedy_tokens``): int64 [rows].
 # - ``logits``: every logit (``logits``, the kernel chosen for them), then their argmax.
 # - ``fw-int8``: an int8 copy of the head bounds every logit; the few columns whose bound reaches the best are
-#   computed exactly, by ``fw``'s tile on its blocks: the token ``logits`` gives where ``fw`` computes the logits.
-#   Half the bytes read, four multiply-adds to an int32 lane (AVX-512 VNNI).
+#   computed exactly, by the logits' own tile on its blocks: the token ``logits`` gives. Half the bytes read, four
+#   multiply-adds to an int32 lane (AVX-512 VNNI).
+# - ``fw-amx-int8``: the same bounds from AMX-INT8 tiles, where VNNI's multiply-adds cost more than the bytes at
+#   many rows (an AMX Xeon at 32 rows).
 ARGMAX = kernels.Operation("dense.argmax", reference="logits")
 ARGMAX.register(kernels.Candidate("logits", _argmax_of_logits))
-ARGMAX.register(kernels.Candidate("fw-int8", _argmax_int8, supports=_has_greedy))
+ARGMAX.register(kernels.Candidate("fw-int8", _greedy(False), supports=_has_greedy))
+ARGMAX.register(kernels.Candidate("fw-amx-int8", _greedy(True), supports=_has_greedy_amx))
 
 
 def pack_argmax(weight: torch.Tensor, packed: torch.Tensor, vocab: int) -> kernels.Selection | None:
@@ -227,7 +244,7 @@ def pack_argmax(weight: torch.Tensor, packed: torch.Tensor, vocab: int) -> kerne
     head = ArgmaxHead(packed, tiles, int8, vocab)
     width = weight.shape[1]
     selection = ARGMAX.select(key, head, lambda rows: (torch.randn(rows, width, dtype=weight.dtype),))
-    return selection if "fw-int8" in selection.names else None
+    return selection if set(selection.names) - {"logits"} else None
 
 
 def _with_kernel(weight: torch.Tensor, op: kernels.Operation) -> torch.Tensor:
