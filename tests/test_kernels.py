@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType, quants
 from conftest import wait_until
 from fw import decode_graph
 from fw.interfaces.attention import AttentionLayerSpec
-from fw.sdk import dense, kernels, native
+from fw.sdk import dense, kernels, native, native_ops
 from fw_attention_torch import backend as torch_attention
 from fw_quant_fp8 import int8  # noqa: F401 (registers the int8 operations)
 from fw_quant_fp8 import method as fp8_method
@@ -262,6 +262,39 @@ def test_a_far_slower_candidate_is_timed_once(cache, monkeypatch):
     fake.select()
     assert fake.runs["slow"] == 2 * 2  # per row class: the warm-up and one timed call
     assert fake.runs["a"] > fake.runs["slow"]
+
+
+def test_each_timed_call_finds_its_weights_evicted(cache, monkeypatch):
+    """Kernel choice times a candidate on its prepared weight as a step meets it, in memory: the state's tensors
+    (the tensor itself, or a tuple's or an object's) are evicted before every timed call, not before the warm-up."""
+    order: list[str] = []
+    weight = torch.ones(8, 4)
+
+    class Packed:  # a plugin's prepared state: an object holding tensors
+        def __init__(self, w):
+            self.blocks, self.scales, self.shape = w.clone(), (w[:, 0].clone(),), w.shape
+
+    clock = [0.0]  # each call takes a second: one timed round fills the measuring time
+    monkeypatch.setattr(kernels, "_clock", lambda: clock[0])
+    op = kernels.Operation("test.evicted", reference="plain", rows=(1, 32))
+    for name, prepare in (("plain", lambda w: w), ("packed", Packed)):
+        op.register(kernels.Candidate(name, run=lambda state, x, name=name: order.append(name) or clock.__setitem__(
+            0, clock[0] + 1.0), prepare=prepare, layout=name))
+    monkeypatch.setattr(kernels.native_ops, "evict", lambda tensors: order.append(
+        "evict " + "+".join(str(tuple(t.shape)) for t in tensors)))
+    op.select(("k",), weight, lambda rows: (torch.zeros(rows, 4),))
+    # Per row class: the warm-ups, then a timed round
+    assert order == ["plain", "packed", "evict (8, 4)", "plain", "evict (8, 4)+(8,)", "packed"] * 2
+
+
+def test_evicting_keeps_the_values():
+    """What kernel choice evicts is written back first: the weights read the same after."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(300, 257, generator=gen), torch.randn(64, 64, generator=gen).bfloat16()[:, 3:],
+               torch.randint(-128, 127, (1000,), dtype=torch.int8, generator=gen), torch.empty(0)]
+    copies = [t.clone() for t in tensors]
+    native_ops.evict(tensors)
+    assert all(torch.equal(t, c) for t, c in zip(tensors, copies, strict=True))
 
 
 # Every operation's example weights and inputs: a new operation must add its own here.

@@ -7,8 +7,12 @@ assumption. An ``Operation`` (``dense.linear``, ``gguf.linear``, ...) holds
 ``Candidate`` implementations, which the core and plugins ``register``. The
 first time a layer of a new shape loads, ``Operation.select`` times every
 candidate that supports it on a few row counts (decode to prefill sizes) and
-keeps the fastest for each. The choice is cached on disk, keyed by CPU model,
-CPU flags, thread count and library versions, so later starts time nothing.
+keeps the fastest for each. Each timed call finds its prepared weight evicted
+from the caches, as a step finds it: a model's weights outgrow the caches
+between two uses, and timed warm (the previous call's copy in L2), an AMX Xeon
+chose kernels 1.3-1.6x slower on weights streamed from memory. The choice is
+cached on disk, keyed by CPU model, CPU flags, thread count and library
+versions, so later starts time nothing.
 A choice remembers which candidates it was made among: one made while fewer
 could run (``FW_NATIVE=0``, a native build that failed) is timed again once
 more can. It also remembers the native libraries loaded then (``fw.sdk.native``,
@@ -54,7 +58,7 @@ from typing import Any
 
 import torch
 
-from fw.sdk import native
+from fw.sdk import native, native_ops
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +71,7 @@ MEASURE_S = 0.02  # time per candidate and row class (at least one call, at most
 MAX_CALLS = 5
 SLOWER_CUTOFF = 3.0  # a candidate this much slower than the best on its first call is not timed again
 BUSY_SHARE = 0.1  # a choice timed while other processes took more of the CPUs than this is not cached
-CACHE_VERSION = 2  # 2: each choice records the candidates it was made among
+CACHE_VERSION = 3  # 2: each choice records the candidates it was made among; 3: timed on evicted weights
 _clock = time.perf_counter  # tests replace it
 
 
@@ -223,8 +227,10 @@ class Operation:
         for c in usable.values():
             if c.layout not in states:
                 states[c.layout] = c.prepare(weight)
+        weights = {layout: _tensors(state) for layout, state in states.items()}
         with torch.inference_mode():
-            times = [_race({n: functools.partial(c.run, states[c.layout], *sample(rows)) for n, c in usable.items()})
+            times = [_race({n: functools.partial(c.run, states[c.layout], *sample(rows)) for n, c in usable.items()},
+                           {n: functools.partial(native_ops.evict, weights[c.layout]) for n, c in usable.items()})
                      for rows in self.rows]
         names = _fewest_layouts(times, usable, self.rows)
         logger.debug("%s %s: chose %s (%s)", self.name, key, "/".join(names), "; ".join(
@@ -293,17 +299,32 @@ def choosing(what: str) -> Iterator[None]:
         burst.report()
 
 
-def _race(calls: dict[str, Callable[[], Any]]) -> dict[str, float]:
-    """Each call's fastest time, after a warm-up call. One far slower than the best in the first round is not
-    run again. Rounds interleave the calls, so a busy machine slows them alike. A call that fails its warm-up is
-    left out: a candidate this machine cannot run after all (a library's shape or driver limits) is never chosen."""
+def _tensors(state: Any, depth: int = 0) -> list[torch.Tensor]:
+    """The CPU tensors a prepared state holds: itself, or those of its items or attributes, two levels down."""
+    if isinstance(state, torch.Tensor):
+        return [state] if state.device.type == "cpu" else []
+    if depth == 2:
+        return []
+    if isinstance(state, (tuple, list)):
+        return [t for item in state for t in _tensors(item, depth + 1)]
+    if hasattr(state, "__dict__") and not isinstance(state, type):
+        return [t for value in vars(state).values() for t in _tensors(value, depth + 1)]
+    return []
+
+
+def _race(calls: dict[str, Callable[[], Any]], before: dict[str, Callable[[], Any]] | None = None) -> dict[str, float]:
+    """Each call's fastest time, after a warm-up call; ``before[name]()`` runs, untimed, before each timed call
+    (the weights evicted from the caches). One far slower than the best in the first round is not run again.
+    Rounds interleave the calls, so a busy machine slows them alike. A call that fails its warm-up is left out: a
+    candidate this machine cannot run after all (a library's shape or driver limits) is never chosen."""
     for name, call in list(calls.items()):
         try:
             call()
         except Exception as exc:
             logger.warning("kernel candidate %s failed here and is not chosen: %s", name, exc)
             del calls[name]
-    fastest = {name: _once(call) for name, call in calls.items()}
+    before = before or {}
+    fastest = {name: _once(call, before.get(name)) for name, call in calls.items()}
     best = min(fastest.values())
     racing = [name for name, t in fastest.items() if t <= SLOWER_CUTOFF * best]
     spent = sum(fastest.values())
@@ -311,12 +332,14 @@ def _race(calls: dict[str, Callable[[], Any]]) -> dict[str, float]:
         if spent >= MEASURE_S * len(racing):
             break
         for name in racing:
-            took = _once(calls[name])
+            took = _once(calls[name], before.get(name))
             fastest[name], spent = min(fastest[name], took), spent + took
     return fastest
 
 
-def _once(call: Callable[[], Any]) -> float:
+def _once(call: Callable[[], Any], before: Callable[[], Any] | None = None) -> float:
+    if before is not None:
+        before()
     start = _clock()
     call()
     return _clock() - start

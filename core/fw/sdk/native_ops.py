@@ -49,3 +49,10 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     tokens = torch.ops.fw_layers.argmax_rows(logits)
     nan = tokens < 0
     return torch.where(nan, logits.argmax(dim=-1), tokens) if bool(nan.any()) else tokens
+
+
+def evict(tensors: list[torch.Tensor]) -> None:
+    """Drops the CPU tensors' bytes from every cache level (kernel choice times weights as a step meets them: in
+    memory); nothing where the native kernels are not built."""
+    if tensors and _built():
+        torch.ops.fw_layers.evict(tensors)
