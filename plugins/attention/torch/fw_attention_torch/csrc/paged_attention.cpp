@@ -146,9 +146,9 @@ inline void to_float(const T* src, float* dst, int64_t n) {
 }
 
 // The generic path: no bf16 dot-product instructions, or another dtype.
-template <typename T, typename Slot>
-inline bool bf16_scores(const T*, const T*, Slot, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float,
-                        std::vector<float>&) {
+template <typename T>
+inline bool bf16_scores(const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        int64_t, float, std::vector<float>&) {
   return false;
 }
 
@@ -199,21 +199,40 @@ constexpr std::array<ScoreTile, sizeof...(B)> score_tiles(std::integer_sequence<
 }
 constexpr auto kScoreTiles = score_tiles(std::make_integer_sequence<int, 15>{});  // 1 to 15 vectors
 
-template <typename Slot>
-inline bool bf16_scores(const at::BFloat16* q, const at::BFloat16* kp, Slot slot, int64_t first, int64_t len,
-                        int64_t vectors, int64_t head_size, int64_t kv_heads, int64_t g, float scale,
-                        std::vector<float>& scores) {
+// A walk over a request's positions in order: its slot in the cache with no division per position (a tile's 32
+// divisions, for its rows and the next tile's requests: 32 requests x 192 positions on one thread, AMX Xeon, 0.50
+// -> 0.43 ms a layer).
+struct Positions {
+  const int32_t* table;
+  int64_t block_size, block, offset;
+  Positions(const int32_t* table, int64_t block_size, int64_t t)
+      : table(table), block_size(block_size), block(t / block_size), offset(t % block_size) {}
+  int64_t slot() const { return int64_t(table[block]) * block_size + offset; }
+  void next() {
+    if (++offset == block_size) ++block, offset = 0;
+  }
+};
+
+inline bool bf16_scores(const at::BFloat16* q, const at::BFloat16* kp, const int32_t* table, int64_t block_size,
+                        int64_t first, int64_t len, int64_t vectors, int64_t head_size, int64_t kv_heads, int64_t g,
+                        float scale, std::vector<float>& scores) {
   if (head_size % 32 || head_size / 32 > kMaxChunks) return false;
   const int64_t n = len - first, chunks = head_size / 32, half = head_size / 2;
   const int32_t* qpairs = reinterpret_cast<const int32_t*>(q);
   __m512i tile[kMaxChunks * 16];
+  auto row = [&](const Positions& p) { return kp + (p.slot() * kv_heads + g) * head_size; };
+  Positions pos(table, block_size, first);
   for (int64_t t = first; t < len; t += 16) {
     const int64_t count = std::min<int64_t>(16, len - t);
     const at::BFloat16* rows[16];
-    for (int i = 0; i < 16; ++i) rows[i] = kp + (slot(t + std::min<int64_t>(i, count - 1)) * kv_heads + g) * head_size;
-    for (int64_t i = t + 16; i < std::min(len, t + 32); ++i) {  // the next tile's rows (see weigh_values)
-      const char* row = reinterpret_cast<const char*>(kp + (slot(i) * kv_heads + g) * head_size);
-      for (int64_t b = 0; b < head_size * 2; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    for (int i = 0; i < 16; ++i) {  // past the last position: the last row again
+      rows[i] = i < count ? row(pos) : rows[count - 1];
+      if (i < count) pos.next();
+    }
+    Positions ahead = pos;  // the next tile's rows (see weigh_values)
+    for (int64_t i = t + 16; i < std::min(len, t + 32); ++i, ahead.next()) {
+      const char* bytes = reinterpret_cast<const char*>(row(ahead));
+      for (int64_t b = 0; b < head_size * 2; b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
     }
     for (int64_t c = 0; c < chunks; ++c) {
       __m512i* cols = tile + 16 * c;
@@ -380,7 +399,6 @@ struct Paged {
     const int64_t first = window > 0 ? std::max<int64_t>(0, len - tokens + 1 - window) : 0, n = len - first;
     b.scores.resize(vectors * n);
     b.acc.resize(vectors * head_size);
-    auto slot = [&](int64_t t) { return (int64_t)table[t / block_size] * block_size + t % block_size; };
     // fn(first position, float32 rows, count) for head g's rows of `cache` at positions [first, len), kChunk at
     // a time, a block at a time (no division per position).
     auto for_each_chunk = [&](const Format& format, const Elem* cache, const auto& fn) {
@@ -400,7 +418,7 @@ struct Paged {
 
     bool scored = false;
     if constexpr (std::is_same_v<Format, Plain<T>>) {  // the bf16 fast path reads the model dtype only
-      scored = bf16_scores(q, kp, slot, first, len, vectors, head_size, kv_heads, g, scale, b.scores);
+      scored = bf16_scores(q, kp, table, block_size, first, len, vectors, head_size, kv_heads, g, scale, b.scores);
     }
     if (!scored) {
       b.query.resize(vectors * head_size);
