@@ -417,21 +417,7 @@ void greedy_amx_bounds(const Greedy& g, int64_t Mp, int64_t begin, int64_t end, 
     for (int64_t m = 0; m < Mp; m += kAmxRows) {
       const bool low = m + 16 < g.M;  // rows 16-31 of the pass hold some of x
       _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-      const uint8_t* xm = g.xu + m * K;
-      for (int64_t k = 0; k < K; k += 64) {
-        _tile_loadd(4, xm + k, K);
-        _tile_loadd(6, b0 + k * kCols, 64);
-        _tile_dpbusd(0, 4, 6);
-        if (two) {
-          _tile_loadd(7, b0 + block + k * kCols, 64);
-          _tile_dpbusd(1, 4, 7);
-        }
-        if (low) {
-          _tile_loadd(5, xm + 16 * K + k, K);
-          _tile_dpbusd(2, 5, 6);
-          if (two) _tile_dpbusd(3, 5, 7);
-        }
-      }
+      fw::amx_int8_steps<true>(g.xu + m * K, K, b0, two ? b0 + block : nullptr, K, low);
       _tile_stored(0, sums, ld * 4);
       if (two) _tile_stored(1, sums + kCols, ld * 4);
       if (low) {

@@ -222,6 +222,35 @@ inline void amx_bf16_steps(const bf16* x, int64_t K, const void* b0, const void*
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+// C tiles 0-3 += the byte products of a left-hand operand's two 16-row tiles (tiles 4 and 5: its rows 0-15 and 16-31,
+// `lda` bytes apart, 64 bytes of each a step) and one or two right-hand tiles (6 and 7: 16 rows of 64 bytes, the next
+// 1 KiB every 64 input bytes), over input bytes [0, K): C 0 = rows 0-15 x b0, 1 = rows 0-15 x b1, 2 = rows 16-31 x
+// b0, 3 = rows 16-31 x b1. b1 null: one right-hand tile; `low` false: rows 16-31 are not read (tiles 2 and 3
+// untouched). Unsigned: the left-hand bytes unsigned, as vpdpbusd takes them; else both signed. Every tile configured
+// as 16 rows of 64 bytes.
+template <bool Unsigned>
+inline void amx_int8_steps(const void* a, int64_t lda, const int8_t* b0, const int8_t* b1, int64_t K, bool low) {
+  const char* ap = static_cast<const char*>(a);
+  for (int64_t k = 0; k < K; k += 64) {
+    _tile_loadd(4, ap + k, lda);
+    _tile_loadd(6, b0 + k * 16, 64);
+    if constexpr (Unsigned) _tile_dpbusd(0, 4, 6); else _tile_dpbssd(0, 4, 6);
+    if (b1) {
+      _tile_loadd(7, b1 + k * 16, 64);
+      if constexpr (Unsigned) _tile_dpbusd(1, 4, 7); else _tile_dpbssd(1, 4, 7);
+    }
+    if (low) {
+      _tile_loadd(5, ap + 16 * lda + k, lda);
+      if constexpr (Unsigned) _tile_dpbusd(2, 5, 6); else _tile_dpbssd(2, 5, 6);
+      if (b1) {
+        if constexpr (Unsigned) _tile_dpbusd(3, 5, 7); else _tile_dpbssd(3, 5, 7);
+      }
+    }
+  }
+}
+#endif
+
 // Weights in pair-interleaved 16-column blocks, [N / 16, K / 2, 16, 2]: for every 16 output columns and pair of
 // input features one 64-byte vector, which the AVX-512 bf16 dot-product instruction multiplies by one broadcast
 // pair of activations (fw/sdk/dense.py packs a bf16 weight so; quant kernels widen their weights into it for

@@ -223,24 +223,11 @@ void amx_w8a8(const int8_t* w, int64_t N, int64_t K, const int8_t* xt, int64_t M
         const bool pair = g + 1 < groups;
         const int8_t* x0 = xt + g * group_bytes;
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-        for (int64_t k = 0; k < K; k += kAmxDepth) {
-          _tile_loadd(4, w0 + k, K);
-          _tile_loadd(6, x0 + k * kAmxRows, 64);
-          _tile_dpbssd(0, 4, 6);
-          if (pair) {
-            _tile_loadd(7, x0 + group_bytes + k * kAmxRows, 64);
-            _tile_dpbssd(2, 4, 7);
-          }
-          if (two) {
-            _tile_loadd(5, w0 + 16 * K + k, K);
-            _tile_dpbssd(1, 5, 6);
-            if (pair) _tile_dpbssd(3, 5, 7);
-          }
-        }
+        fw::amx_int8_steps<false>(w0, K, x0, pair ? x0 + group_bytes : nullptr, K, two);
         put(0, j * 16, g * kAmxRows);
-        if (pair) put(2, j * 16, (g + 1) * kAmxRows);
+        if (pair) put(1, j * 16, (g + 1) * kAmxRows);
         if (two) {
-          put(1, (j + 1) * 16, g * kAmxRows);
+          put(2, (j + 1) * 16, g * kAmxRows);
           if (pair) put(3, (j + 1) * 16, (g + 1) * kAmxRows);
         }
       }
