@@ -295,6 +295,12 @@ def test_evicting_keeps_the_values():
     copies = [t.clone() for t in tensors]
     native_ops.evict(tensors)
     assert all(torch.equal(t, c) for t, c in zip(tensors, copies, strict=True))
+    if torch.backends.mkldnn.is_available():  # oneDNN's prepacked weight: an opaque tensor, found through oneDNN
+        w = torch.randn(64, 32, generator=gen)
+        packed, x = torch.ops.mkldnn._reorder_linear_weight(w, 1), torch.randn(3, 32, generator=gen)
+        before = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        native_ops.evict([packed])
+        assert torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), before)
 
 
 # Every operation's example weights and inputs: a new operation must add its own here.
