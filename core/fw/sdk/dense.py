@@ -50,6 +50,7 @@ float32 weights, and weights off the CPU, stay plain with ``F.linear``.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -199,7 +200,7 @@ def _greedy(amx_bounds: bool):
     def run(head: ArgmaxHead, x: torch.Tensor) -> torch.Tensor:
         kernel = getattr(head.packed, "kernel", None)
         exact = None if kernel is None else kernel.name_for(x.shape[0])
-        if exact not in ("fw", "fw-amx") or (exact == "fw-amx" and not torch.ops.fw_dense.greedy_amx_supported()):
+        if exact not in ("fw", "fw-amx") or (exact == "fw-amx" and not _greedy_amx()):
             return _argmax_of_logits(head, x)
         return torch.ops.fw_dense.greedy_head(x, head.tiles, head.q8, head.terms, head.sums, head.vocab, amx_bounds,
                                               exact == "fw-amx")
@@ -211,8 +212,13 @@ def _has_greedy(key: tuple) -> bool:
     return _has_native(key) and torch.ops.fw_dense.greedy_supported()
 
 
+@functools.cache
+def _greedy_amx() -> bool:  # asked every greedy step: the build and the process's AMX grant do not change
+    return torch.ops.fw_dense.greedy_amx_supported()
+
+
 def _has_greedy_amx(key: tuple) -> bool:
-    return key[1] % 64 == 0 and _has_greedy(key) and torch.ops.fw_dense.greedy_amx_supported()
+    return key[1] % 64 == 0 and _has_greedy(key) and _greedy_amx()
 
 
 # Each row's argmax of the LM head's logits, for greedy decoding (``ModelBase.greedy_tokens``): int64 [rows].
