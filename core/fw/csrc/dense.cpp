@@ -29,7 +29,7 @@ using fw::bf16;
 
 constexpr int64_t kCols = fw::kPairCols;
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 // AMX (Sapphire Rapids and later): the same pair-interleaved blocks are AMX's layout of a right-hand tile as they
 // stand (16 pairs of input features x 16 columns x 2 = 1 KiB, contiguous), so a tile multiply takes 16 rows x 32
 // input features of x against 16 such pairs, accumulating a 16 x 16 float32 tile. Rows go in tiles of 16, two
@@ -52,13 +52,26 @@ void amx_product(const bf16* x, int64_t M, int64_t Mp, int64_t K, const bf16* w,
   const int64_t group = std::max<int64_t>(1, share / (4 * block));
   at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     fw::configure_tiles();  // C 0-3, A 4-5, B 6-7
-    alignas(64) float buf[16 * kCols];
-    auto put = [&](int64_t row0, int64_t col0) {  // buf's rows into y (those below M), with the bias
-      const __m512 b = bias ? _mm512_loadu_ps(bias + col0) : _mm512_setzero_ps();
+    alignas(64) float buf[16 * 2 * kCols];  // two C tiles side by side: 16 rows of 32 columns
+    // buf's rows (those below M) into y's columns col0 .. col0 + 31 (+ 15 without `two`), with the bias. bf16 rows
+    // round in one instruction (nearest even, as round_bf16x16; float32 subnormals become zero) and go out 64 bytes
+    // a row. Against rounding and storing each tile's 16 columns apart, Qwen2-0.5B's 96 products streamed (AMX Xeon,
+    // medians of 6): 65.5 -> 64.0 ms at 128 rows, 202 -> 197 at 512.
+    auto put = [&](int64_t row0, int64_t col0, bool two) {
+      const __m512 b0 = bias ? _mm512_loadu_ps(bias + col0) : _mm512_setzero_ps();
+      const __m512 b1 = bias && two ? _mm512_loadu_ps(bias + col0 + kCols) : _mm512_setzero_ps();
       for (int64_t r = 0; r < 16 && row0 + r < M; ++r) {
-        const __m512 v = _mm512_add_ps(_mm512_load_ps(buf + r * kCols), b);
-        if constexpr (std::is_same_v<Out, float>) _mm512_storeu_ps(y + (row0 + r) * N + col0, v);
-        else fw::store_bf16x16(y + (row0 + r) * N + col0, fw::round_bf16x16(v));
+        const __m512 v0 = _mm512_add_ps(_mm512_load_ps(buf + r * 2 * kCols), b0);
+        const __m512 v1 = _mm512_add_ps(_mm512_load_ps(buf + r * 2 * kCols + kCols), b1);
+        Out* out = y + (row0 + r) * N + col0;
+        if constexpr (std::is_same_v<Out, float>) {
+          _mm512_storeu_ps(out, v0);
+          if (two) _mm512_storeu_ps(out + kCols, v1);
+        } else if (two) {
+          _mm512_storeu_si512(out, (__m512i)_mm512_cvtne2ps_pbh(v1, v0));
+        } else {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(v0));
+        }
       }
     };
     for (int64_t g0 = begin; g0 < end; g0 += group) {
@@ -72,12 +85,12 @@ void amx_product(const bf16* x, int64_t M, int64_t Mp, int64_t K, const bf16* w,
           _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
           fw::amx_bf16_steps(xm, K, w0, two ? w0 + block : nullptr, 0, K);
           const int64_t col = j * kCols;
-          _tile_stored(0, buf, 64); put(m, col);
-          _tile_stored(2, buf, 64); put(m + 16, col);
-          if (two) {
-            _tile_stored(1, buf, 64); put(m, col + kCols);
-            _tile_stored(3, buf, 64); put(m + 16, col + kCols);
-          }
+          _tile_stored(0, buf, 128);
+          if (two) _tile_stored(1, buf + kCols, 128);
+          put(m, col, two);
+          _tile_stored(2, buf, 128);
+          if (two) _tile_stored(3, buf + kCols, 128);
+          put(m + 16, col, two);
         }
       }
     }
@@ -89,7 +102,7 @@ void amx_product(const bf16* x, int64_t M, int64_t Mp, int64_t K, const bf16* w,
 // `linear` through AMX tiles (same weight, bias and output as `linear`); K a multiple of 32.
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                       bool float_out) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   TORCH_CHECK(fw::amx_permitted(), "fw_dense.amx_linear: the kernel did not grant AMX tiles to this process");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bad x");
   TORCH_CHECK(weight.dim() == 4 && weight.size(2) == kCols && weight.size(3) == 2 && weight.is_contiguous(), "bad w");
@@ -113,7 +126,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight, const c10::
 
 // Whether this build has `amx_linear` and the kernel lets this process use AMX tiles.
 bool amx_supported() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   return fw::amx_permitted();
 #else
   return false;
