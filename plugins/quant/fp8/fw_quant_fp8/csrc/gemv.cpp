@@ -214,7 +214,7 @@ void dot_row_bf16(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K, c
   int64_t k = 0;
   for (; k + 64 * S <= K; k += 64 * S)
     for (int s = 0; s < S; ++s) {
-      fw::prefetch_ahead(w + k + 64 * s);
+      fw::prefetch_far_and_near(w + k + 64 * s);
       chunk(k + 64 * s, _mm512_loadu_si512(w + k + 64 * s), acc[s]);
     }
   for (; k < K; k += 64) {  // zeros past K: +0.0 weights
