@@ -187,7 +187,7 @@ void dot_row(const float* x, const RowAux& aux, const uint8_t* row, float* y, in
   __m512 acc[S][2][M];
   for (int s = 0; s < S; ++s)
     for (int m = 0; m < M; ++m) acc[s][0][m] = acc[s][1][m] = _mm512_setzero_ps();
-  for (int64_t off = 0; off < blocks * bb; off += 64) fw::prefetch_ahead(row + off);  // a row's lines, once
+  for (int64_t off = 0; off < blocks * bb; off += 64) fw::prefetch_far_and_near(row + off);  // a row's lines, once
   auto block = [&](int64_t b, __m512 (*a)[M]) {
     __m512 lo, hi;
     block_weights<T>(row + b * bb, aux.d + b, aux.m + b, lo, hi);
@@ -1125,7 +1125,7 @@ template <int64_t T, typename A, int M>
 void dot_row_int(const A* xq, const float* dx, const float* xs, const uint8_t* row, float* y, int64_t ldy,
                  int64_t blocks, int64_t K) {
   constexpr int64_t bb = block_bytes(T);
-  for (int64_t off = 0; off < blocks * bb; off += 64) fw::prefetch_ahead(row + off);  // a row's lines, once
+  for (int64_t off = 0; off < blocks * bb; off += 64) fw::prefetch_far_and_near(row + off);  // a row's lines, once
   sum_blocks<M>(blocks, y, ldy, [&](int64_t b, __m256* a, float* o) {
     const uint8_t* blk = row + b * bb;
     float d, offset;
