@@ -78,13 +78,14 @@ inline void prefetch_ahead(const void* p) {
   _mm_prefetch(static_cast<const char*>(p) + Ahead, _MM_HINT_T0);
 }
 
-// For a kernel with many instructions a byte (FP8's widening, GGUF's 32-weight blocks), each line requested twice:
-// 8 KiB on into L2 and 512 bytes on into L1, which then finds it in L2. With prefetch_ahead alone, such a kernel's
-// memory waits and arithmetic added up instead of overlapping: L1's few outstanding misses bounded its stream. AMX
-// Xeon: Qwen2-0.5B's 96 FP8 products at one row, streamed, 22.2 -> 19.2 ms, FP8 W8A16 decode 1.45x -> 1.56x bf16;
-// the default model (Q4_1, Q8_0 head) 107 -> 117 tok/s, with int8 activations 142 -> 151 (two engines in turns in
-// one process). VNNI int8 (W8A8), whose stream takes few instructions a byte, went 1.71x -> 1.65x bf16 with it, so
-// keeps prefetch_ahead.
+// For the 1-row kernels of the quant plugins, each line requested twice: 8 KiB on into L2 and 512 bytes on into L1,
+// which then finds it in L2. With one request 2 KiB (GPTQ: 8 KiB) ahead into L1, a kernel's memory waits and its
+// arithmetic added up instead of overlapping: L1's few outstanding misses bounded its stream. AMX Xeon, Qwen2-0.5B's
+// 96 products at one row, streamed: FP8 22.2 -> 19.2 ms. Decode tok/s, two engines in turns in one process (the
+// engine built second ran 3-5% faster with the same kernels; the gains below are corrected by building each first
+// once, or, where marked ~, by that share): FP8 W8A16 bf16's 1.45x -> 1.56x (separate processes), VNNI int8 W8A8
+// +4%, 4-bit GPTQ with int8 activations ~+5%, the default model (GGUF Q4_1, Q8_0 head) ~107 -> 113, with int8
+// activations ~+3%.
 inline void prefetch_far_and_near(const void* p) {
   _mm_prefetch(static_cast<const char*>(p) + 512, _MM_HINT_T0);
   _mm_prefetch(static_cast<const char*>(p) + 8192, _MM_HINT_T1);

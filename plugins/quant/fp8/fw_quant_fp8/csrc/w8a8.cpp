@@ -104,7 +104,7 @@ void dot_row_vnni(const uint8_t* q, int64_t ldq, const int8_t* w, int64_t K, int
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
-    fw::prefetch_ahead(w + k);
+    fw::prefetch_far_and_near(w + k);
     const __m512i wv = _mm512_loadu_si512(w + k);
     for (int m = 0; m < M; ++m) acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_loadu_si512(q + m * ldq + k), wv);
   }
