@@ -215,6 +215,22 @@ void dot_rows_a8(const int8_t* xq, const float* dx, const float* gsum, const Row
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The VNNI kernels' ends of a group and of their rows: acc += part * scale_g, then each row's sum plus its offsets.
+template <int M, int R>
+inline void scale_group(__m512 (&acc)[M][R], const __m512 (&part)[M][R], const Rows& r, int64_t g) {
+  for (int i = 0; i < R; ++i) {
+    const __m512 s = _mm512_set1_ps(r.scale[i * r.groups + g]);
+    for (int m = 0; m < M; ++m) acc[m][i] = _mm512_fmadd_ps(part[m][i], s, acc[m][i]);
+  }
+}
+
+template <int M, int R>
+inline void finish_rows(const __m512 (&acc)[M][R], const Rows& r, const float* gsum, float* y, int64_t ldy) {
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < R; ++i)
+      y[m * ldy + i] = _mm512_reduce_add_ps(acc[m][i]) + row_offsets(r, i, gsum + m * r.groups, 0.f);
+}
+
 // dot_rows_a8 two blocks at a time in 512-bit vpdpbusd (AVX-512 VNNI: 64 byte products an instruction, against
 // maddubs' 32 and a second multiply-add), for int_gemv_a8_wide. The activations come laid out once per call in the
 // order the weights' bytes take (paired_activations), so a pair of 4-bit blocks becomes its 64 unsigned bytes in
@@ -263,14 +279,9 @@ void dot_rows_a8_wide(const int8_t* xw, const float* dw, int64_t pairs, const fl
                                        part[m][i]);
       }
     }
-    for (int i = 0; i < R; ++i) {
-      const __m512 s = _mm512_set1_ps(r.scale[i * r.groups + g]);
-      for (int m = 0; m < M; ++m) acc[m][i] = _mm512_fmadd_ps(part[m][i], s, acc[m][i]);
-    }
+    scale_group<M, R>(acc, part, r, g);
   }
-  for (int m = 0; m < M; ++m)
-    for (int i = 0; i < R; ++i)
-      y[m * ldy + i] = _mm512_reduce_add_ps(acc[m][i]) + row_offsets(r, i, gsum + m * r.groups, 0.f);
+  finish_rows<M, R>(acc, r, gsum, y, ldy);
 }
 
 // x's int8 blocks (xq [M, K], scales dx [M, blocks]) in dot_rows_a8_wide's order: per row, the pairs of each group
@@ -344,14 +355,9 @@ void dot_rows_a8_quad(const int8_t* xw, const float* dw, int64_t quads, const fl
         }
       }
     }
-    for (int i = 0; i < R; ++i) {
-      const __m512 s = _mm512_set1_ps(r.scale[i * r.groups + g]);
-      for (int m = 0; m < M; ++m) acc[m][i] = _mm512_fmadd_ps(part[m][i], s, acc[m][i]);
-    }
+    scale_group<M, R>(acc, part, r, g);
   }
-  for (int m = 0; m < M; ++m)
-    for (int i = 0; i < R; ++i)
-      y[m * ldy + i] = _mm512_reduce_add_ps(acc[m][i]) + row_offsets(r, i, gsum + m * r.groups, 0.f);
+  finish_rows<M, R>(acc, r, gsum, y, ldy);
 }
 
 // x's int8 blocks in dot_rows_a8_quad's order: per row and step of four blocks, 64 bytes of their elements 0-15
