@@ -340,7 +340,7 @@ def test_every_product_computes_the_exact_weights_in_float32(bits, group, act_or
 
 
 # Groups of whole 128s at 4 bits take fw-vnni512's four-block kernel (the last group short at 256), the others its
-# pairs' kernel; 1-3 rows run four weight rows a tile, and 74 output rows leave a tail of two.
+# pairs' kernel; 1 and 2 rows run four and two weight rows a tile (74 output rows leave a tail of two), 3 and 9 one.
 @pytest.mark.parametrize("bits, group, k", [(4, 32, 160), (8, 64, 160), (4, 128, 384), (4, 256, 384)])
 def test_int8_activations_are_exactly_the_emulated_rounding(bits, group, k):
     """activations=int8: the native kernel's integer products equal the float product of the rounded activations."""
