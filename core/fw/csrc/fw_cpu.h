@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AMX_TILE__)
@@ -89,6 +90,25 @@ inline void prefetch_ahead(const void* p) {
 inline void prefetch_far_and_near(const void* p) {
   _mm_prefetch(static_cast<const char*>(p) + 512, _MM_HINT_T0);
   _mm_prefetch(static_cast<const char*>(p) + 8192, _MM_HINT_T1);
+}
+
+// A 1-row product's weight rows [begin, end) as S strands, contiguous runs of the range read side by side:
+// fn(n, count) takes count.value rows (std::integral_constant), n[r] from strand r, S at a time, then the rows
+// left over one by one (count 1). A core that streams one run of weight at a time, even requested well ahead in
+// software, leaves the memory idle part of the time; several runs at once keep more lines in flight. AMX Xeon,
+// Qwen2-0.5B's 96 products at one row, streamed: FP8 W8A16 15.1 -> 11.6 ms with six strands (four 13.3-14.2,
+// eight 13.9; four rows side by side in one run, 17.9), VNNI int8 W8A8 14.5 -> 12.2.
+constexpr int kStrands = 6;
+
+template <int S, typename Fn>
+inline void strands(int64_t begin, int64_t end, const Fn& fn) {
+  const int64_t run = (end - begin) / S;
+  int64_t n[S];
+  for (int64_t i = 0; i < run; ++i) {
+    for (int r = 0; r < S; ++r) n[r] = begin + r * run + i;
+    fn(n, std::integral_constant<int, S>{});
+  }
+  for (int64_t row = begin + S * run; row < end; ++row) fn(&row, std::integral_constant<int, 1>{});
 }
 
 #if defined(__AVX__)

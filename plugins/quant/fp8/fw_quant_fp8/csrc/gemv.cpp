@@ -230,6 +230,34 @@ void dot_row_bf16(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t K, c
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+// One row of x against R weight rows at once, w[r] K bytes each, every one summed as dot_row_bf16<1> sums it (even
+// and odd chunks apart: the same float32 sums, bit for bit). The rows come from the R strands of fw::strands, so
+// each core reads R runs of weight at once (the numbers there).
+template <int R, typename Words>
+void dot_strands_bf16(const uint16_t* x, const uint8_t* const* w, int64_t K, const Words& words, float* out) {
+  __m512 acc[R][2][2];  // [row][chunk parity][half of the chunk]
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < 2; ++s) acc[r][s][0] = acc[r][s][1] = _mm512_setzero_ps();
+  auto chunk = [&](int64_t k, int s, __mmask64 live) {
+    const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + k), x1 = (__m512bh)_mm512_loadu_si512(x + k + 32);
+    for (int r = 0; r < R; ++r) {
+      if (live == ~__mmask64(0)) fw::prefetch_far_and_near(w[r] + k);
+      __m512i w0, w1;
+      words(_mm512_maskz_loadu_epi8(live, w[r] + k), w0, w1);
+      acc[r][s][0] = _mm512_dpbf16_ps(acc[r][s][0], x0, (__m512bh)w0);
+      acc[r][s][1] = _mm512_dpbf16_ps(acc[r][s][1], x1, (__m512bh)w1);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 128 <= K; k += 128) chunk(k, 0, ~__mmask64(0)), chunk(k + 64, 1, ~__mmask64(0));
+  for (; k < K; k += 64) chunk(k, 0, K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1);  // zeros past K
+  for (int r = 0; r < R; ++r)
+    out[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[r][0][0], acc[r][0][1]),
+                                                _mm512_add_ps(acc[r][1][0], acc[r][1][1])));
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 // 64 weight bytes as 64 bf16 values in order (the words' order put back for FP8; int8's is already).
 struct Fp8Pairs {
   Fp8Words words;
@@ -381,6 +409,19 @@ void gemv_words(const at::Tensor& x, const uint8_t* wp, const float* sp, int64_t
   static constexpr RowFn kDots[kRows] = {dot_row_bf16<1, Words>, dot_row_bf16<2, Words>, dot_row_bf16<3, Words>,
                                          dot_row_bf16<4, Words>, dot_row_bf16<5, Words>, dot_row_bf16<6, Words>,
                                          dot_row_bf16<7, Words>, dot_row_bf16<8, Words>};
+  if (M == 1) {  // decode: weight rows in strands
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      fw::strands<fw::kStrands>(begin, end, [&](const int64_t* n, auto count) {
+        constexpr int R = decltype(count)::value;
+        const uint8_t* w[R];
+        float dot[R];
+        for (int r = 0; r < R; ++r) w[r] = wp + n[r] * K;
+        dot_strands_bf16<R>(xi.data(), w, K, words, dot);
+        for (int r = 0; r < R; ++r) out.put(0, n[r], dot[r] * sp[n[r]]);
+      });
+    });
+    return;
+  }
   for (int64_t m = 0; m < M; m += kRows) {
     const int64_t rows = std::min(kRows, M - m);
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {

@@ -116,16 +116,39 @@ void dot_row_vnni(const uint8_t* q, int64_t ldq, const int8_t* w, int64_t K, int
   }
   for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_epi32(acc[m]) - 128 * row_sum;
 }
+
+// One row of x (q + 128) against R weight rows at once (w[r], the strands of fw::strands), each row's sum in
+// row_sums[r]: R runs of weight streamed side by side (see fw::strands), the same integers as dot_row_vnni<1>.
+struct VnniStrands {
+  template <int R>
+  void dot(const uint8_t* q, const int8_t* const* w, int64_t K, const int32_t* row_sums, int32_t* out) const {
+    __m512i acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 64) {
+      const __mmask64 live = K - k >= 64 ? ~__mmask64(0) : (__mmask64(1) << (K - k)) - 1;
+      const __m512i qv = _mm512_maskz_loadu_epi8(live, q + k);
+      for (int r = 0; r < R; ++r) {
+        fw::prefetch_far_and_near(w[r] + k);
+        acc[r] = _mm512_dpbusd_epi32(acc[r], qv, _mm512_maskz_loadu_epi8(live, w[r] + k));
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_epi32(acc[r]) - 128 * row_sums[r];
+  }
+};
 #endif
+
+// For product: no strands kernel, every weight row through the Dot of one row.
+struct NoStrands {};
 
 // x [M, K] float32 or bfloat16; weight int8 [N, K]; scale float32 [N, 1]; input_scale: a static activation scale
 // (float32, one element), else per-row dynamic scales; row_sums (VNNI): int32 [N], each weight row's sum. Each
 // group of up to kRows activation rows runs Dot on every weight row. Returns x.dtype [M, N] with the bias
 // (fw::Outputs).
-template <typename Q, int kBias, int64_t kRows, typename Dot>
+template <typename Q, int kBias, int64_t kRows, typename Dot, typename Strands = NoStrands>
 at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                    const c10::optional<at::Tensor>& input_scale, const c10::optional<at::Tensor>& bias,
-                   const int32_t* row_sums, int64_t ldq, const std::array<Dot, kRows>& dots) {
+                   const int32_t* row_sums, int64_t ldq, const std::array<Dot, kRows>& dots,
+                   const Strands& strands = {}) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.size(1) == x.size(1), "x [M, K] and weight [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(), "weight must be contiguous int8");
@@ -144,6 +167,21 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& weight, const at::Tens
   const fw::Outputs out(x, M, N, x.scalar_type(), bias);
   const int8_t* wp = weight.data_ptr<int8_t>();
   const float* sp = sc.data_ptr<float>();
+  if constexpr (!std::is_same_v<Strands, NoStrands>) {
+    if (M == 1) {  // decode: weight rows in strands
+      at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+        fw::strands<fw::kStrands>(begin, end, [&](const int64_t* n, auto count) {
+          constexpr int R = decltype(count)::value;
+          const int8_t* w[R];
+          int32_t sums[R], dot[R];
+          for (int r = 0; r < R; ++r) w[r] = wp + n[r] * K, sums[r] = row_sums[n[r]];
+          strands.template dot<R>(q.data(), w, K, sums, dot);
+          for (int r = 0; r < R; ++r) out.put(0, n[r], float(dot[r]) * row_scale[0] * sp[n[r]]);
+        });
+      });
+      return out.y;
+    }
+  }
   for (int64_t m = 0; m < M; m += kRows) {  // rows in groups that fit the register accumulators
     const int64_t rows = std::min(kRows, M - m);
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
@@ -187,7 +225,7 @@ at::Tensor w8a8_gemv_vnni(const at::Tensor& x, const at::Tensor& weight, const a
   static constexpr std::array<VnniFn, 8> kDots = {dot_row_vnni<1>, dot_row_vnni<2>, dot_row_vnni<3>, dot_row_vnni<4>,
                                                   dot_row_vnni<5>, dot_row_vnni<6>, dot_row_vnni<7>, dot_row_vnni<8>};
   return product<uint8_t, 128, 8>(x, weight, scale, input_scale, bias, row_sums.data_ptr<int32_t>(), x.size(1),
-                                  kDots);
+                                  kDots, VnniStrands{});
 #else
   TORCH_CHECK(false, "w8a8_gemv_vnni: built without AVX-512 VNNI (has_vnni() is false)");
 #endif
